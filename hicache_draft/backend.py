@@ -1,0 +1,55 @@
+"""The base class a storage backend subclasses, and the context it is built with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from hicache_draft.capabilities import Capabilities
+from hicache_draft.hookspecs import API_VERSION
+
+
+class NoOptions(BaseModel):
+    """Options model of a backend that takes none (unknown keys are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What hicache-draft tells a backend when it builds it.
+
+    ``tp_rank``/``tp_size``: this process's tensor-parallel place (keys already carry ranks where
+    the bytes depend on them; this is for logging and per-rank resources). ``timeout_s``: the bound
+    on every call, which the backend should also apply to its own waits.
+    """
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    timeout_s: float = 10.0
+
+
+class StorageBackend:
+    """Subclass this, set the class attributes, and mark the methods you implement with
+    ``@hookimpl`` (see :mod:`hicache_draft.hookspecs` for the contract).
+
+    Class attributes:
+
+    * ``capabilities``: a :class:`~hicache_draft.Capabilities` (or a dict of its fields).
+    * ``Options``: a pydantic model for ``[backend_options]``; the default accepts none.
+    * ``api_version``: the contract version you wrote against.
+
+    The constructor receives the validated options and a :class:`BackendContext`. Raise
+    :class:`~hicache_draft.BackendSetupError` with a message that names what to fix when the
+    backend cannot start (a missing root, an unreachable master, ...).
+    """
+
+    api_version: ClassVar[int] = API_VERSION
+    capabilities: ClassVar[Capabilities]
+    Options: ClassVar[type[BaseModel]] = NoOptions
+
+    def __init__(self, options: BaseModel, context: BackendContext) -> None:
+        self.options = options
+        self.context = context

@@ -1,0 +1,269 @@
+"""Configuration: pydantic models, loaded from a TOML or JSON file and overridden by environment.
+
+Environment variables use the prefix ``HICACHE_DRAFT_`` and ``__`` for nesting, e.g.
+``HICACHE_DRAFT_BACKEND=mooncake``, ``HICACHE_DRAFT_PARALLEL__TP_RANK=3``,
+``HICACHE_DRAFT_BACKEND_OPTIONS__ROOT=/mnt/kv``. Environment wins over the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hicache_draft.capabilities import Attention, Layout
+from hicache_draft.errors import ConfigError
+
+ENV_PREFIX = "HICACHE_DRAFT_"
+
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+KvDtype = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]
+
+
+class OnMiss(StrEnum):
+    """What a prefetch does when draft pages are missing.
+
+    ``shorten``: the restorable prefix is min(target hit, draft hit). ``target_only``: restore the
+    longer target prefix and report the draft-cold pages.
+    """
+
+    SHORTEN = "shorten"
+    TARGET_ONLY = "target_only"
+
+
+class PrefetchPolicy(StrEnum):
+    """How long a prefetch may keep the caller waiting.
+
+    ``best_effort``: take what has arrived when the caller asks; ``wait_complete``: wait for all
+    of it (still bounded by ``timeout_s``); ``timeout``: wait at most ``prefetch_timeout_s``.
+    """
+
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class NamespaceConfig(_Strict):
+    """Identity of what is stored: every field here changes the bytes of a page."""
+
+    model: str = Field(min_length=1, description="identity of the target weights (name or name@revision)")
+    draft_model: str | None = Field(
+        default=None, description="identity of the draft weights; required when the draft is enabled"
+    )
+    kv_dtype: KvDtype = Field(default="bfloat16", description="dtype of the target KV cache")
+    page_size: int = Field(default=64, ge=1, le=1 << 16, description="tokens per page")
+
+
+class ParallelConfig(_Strict):
+    """This process's place in the tensor/pipeline-parallel group."""
+
+    tp_rank: int = Field(default=0, ge=0)
+    tp_size: int = Field(default=1, ge=1)
+    pp_rank: int = Field(default=0, ge=0)
+    pp_size: int = Field(default=1, ge=1)
+    tp_lcm_size: int | None = Field(
+        default=None, ge=1, description="> tp_size turns on split heads (pages shared across TP sizes)"
+    )
+
+    @model_validator(mode="after")
+    def _ranks(self) -> ParallelConfig:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} must be < tp_size {self.tp_size}")
+        if self.pp_rank >= self.pp_size:
+            raise ValueError(f"pp_rank {self.pp_rank} must be < pp_size {self.pp_size}")
+        if self.tp_lcm_size is not None and self.tp_lcm_size % self.tp_size:
+            raise ValueError(f"tp_lcm_size {self.tp_lcm_size} must be a multiple of tp_size {self.tp_size}")
+        return self
+
+    @property
+    def split_factor(self) -> int:
+        """Head groups per rank: ``tp_lcm_size / tp_size`` (1 means no split)."""
+        return (self.tp_lcm_size or self.tp_size) // self.tp_size
+
+
+class PoolShapeConfig(_Strict):
+    """Shape of one host pool."""
+
+    attention: Attention = Attention.MHA
+    layers: int = Field(default=1, ge=1)
+    kv_heads: int | None = Field(default=None, ge=1, description="mha: KV heads held by this rank")
+    head_dim: int | None = Field(default=None, ge=1, description="mha: head dimension")
+    latent_dim: int | None = Field(default=None, ge=1, description="mla: kv_lora_rank + rope dim")
+
+    @model_validator(mode="after")
+    def _shape(self) -> PoolShapeConfig:
+        if not getattr(self, "enabled", True):
+            return self
+        if self.attention is Attention.MHA and (self.kv_heads is None or self.head_dim is None):
+            raise ValueError("attention 'mha' needs kv_heads and head_dim")
+        if self.attention is Attention.MLA and self.latent_dim is None:
+            raise ValueError("attention 'mla' needs latent_dim")
+        return self
+
+
+class TargetConfig(PoolShapeConfig):
+    """The target model's host pool."""
+
+    layout: Layout = Layout.PAGE_FIRST
+
+    @model_validator(mode="after")
+    def _layout(self) -> TargetConfig:
+        if self.layout is Layout.PAGE_HEAD and self.attention is Attention.MLA:
+            raise ValueError("layout 'page_head' is MHA-only (an MLA page has no heads)")
+        return self
+
+
+class DraftConfig(PoolShapeConfig):
+    """The draft model's host pool; it uses the target pool's host slots."""
+
+    enabled: bool = True
+    kv_dtype: KvDtype | None = Field(default=None, description="draft KV dtype; defaults to namespace.kv_dtype")
+    layout: Layout | None = Field(default=None, description="defaults to the target's layout where valid")
+    on_miss: OnMiss = OnMiss.SHORTEN
+
+    @model_validator(mode="after")
+    def _layout(self) -> DraftConfig:
+        if self.layout is Layout.PAGE_HEAD and self.attention is Attention.MLA:
+            raise ValueError("layout 'page_head' is MHA-only (an MLA page has no heads)")
+        return self
+
+
+class Config(_Strict):
+    """The whole configuration (the TOML file's top level)."""
+
+    backend: str = Field(default="file", min_length=1, description="entry-point name of the storage backend")
+    backend_options: dict[str, Any] = Field(default_factory=dict, description="validated by the backend")
+    namespace: NamespaceConfig
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    target: TargetConfig
+    draft: DraftConfig = Field(default_factory=lambda: DraftConfig(enabled=False))
+    timeout_s: float = Field(default=10.0, gt=0, le=3600, description="bound on every storage call")
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
+    prefetch_timeout_s: float = Field(default=2.0, gt=0, le=3600)
+    batch_pages: int = Field(default=128, ge=1, le=4096, description="pages per batched storage call")
+
+    @model_validator(mode="after")
+    def _cross(self) -> Config:
+        if self.draft.enabled and not self.namespace.draft_model:
+            raise ValueError("namespace.draft_model is required when draft.enabled is true")
+        split = self.parallel.split_factor
+        if split > 1:
+            for name, pool in (("target", self.target), ("draft", self.draft)):
+                if name == "draft" and not self.draft.enabled:
+                    continue
+                if pool.attention is Attention.MHA and pool.kv_heads is not None and pool.kv_heads % split:
+                    raise ValueError(
+                        f"{name}.kv_heads {pool.kv_heads} is not divisible by the split factor "
+                        f"tp_lcm_size/tp_size = {split}"
+                    )
+        return self
+
+    @property
+    def draft_layout(self) -> Layout:
+        """The draft pool's effective layout."""
+        if self.draft.layout is not None:
+            return self.draft.layout
+        if self.target.layout is Layout.PAGE_HEAD and self.draft.attention is Attention.MLA:
+            return Layout.PAGE_FIRST_DIRECT
+        return self.target.layout
+
+    @property
+    def draft_dtype(self) -> str:
+        return self.draft.kv_dtype or self.namespace.kv_dtype
+
+
+def _format_error(exc: ValidationError, source: str) -> ConfigError:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    where = f"{loc}: " if loc else ""
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return ConfigError(f"invalid config {source}: {where}{msg}{more}", field=loc or None)
+
+
+def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:  # noqa: ANN401
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[path[-1]] = value
+
+
+def _env_value(raw: str) -> Any:  # noqa: ANN401
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def apply_env(data: dict[str, Any], environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Overlay ``HICACHE_DRAFT_*`` variables (``__`` nests, values parsed as JSON when they can be)."""
+    env = os.environ if environ is None else environ
+    merged = json.loads(json.dumps(data))
+    skip = {"HICACHE_DRAFT_LOAD_PLUGINS", "HICACHE_DRAFT_DISABLE_PLUGINS", "HICACHE_DRAFT_CONFIG"}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name in skip:
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+        if path:
+            _set_path(merged, path, _env_value(raw))
+    return merged
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a ``.toml`` or ``.json`` file into a dict; :class:`ConfigError` on failure."""
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror or exc}", field=None) from None
+    try:
+        data = json.loads(text) if p.suffix.lower() == ".json" else tomllib.loads(text.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot parse config file {str(p)!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a table/object at the top level")
+    return data
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    data: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Config:
+    """Build a :class:`Config` from a file (or a dict) plus environment overrides.
+
+    Raises :class:`ConfigError` with one message naming the field and the reason.
+    """
+    base: dict[str, Any] = dict(data or {})
+    source = "(dict)"
+    if path is not None:
+        base = read_config_file(path)
+        source = str(path)
+    merged = apply_env(base, environ)
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as exc:
+        raise _format_error(exc, source) from None

@@ -1,0 +1,233 @@
+"""Host KV pools (L2): MHA and MLA, four layouts, page views, copies and zero-copy metadata.
+
+Shapes (``L`` layers, ``S`` slots, ``P = S / ps`` pages, ``H`` heads, ``D`` head dim, ``d`` latent dim):
+
+=====================  ==========================  =======================
+layout                 MHA ``buffer``               MLA ``buffer``
+=====================  ==========================  =======================
+``layer_first``        ``(2, L, S, H, D)``          ``(L, S, 1, d)``
+``page_first``         ``(2, S, L, H, D)``          ``(S, L, 1, d)``
+``page_first_direct``  ``(2, P, L, ps, H, D)``      ``(P, L, ps, 1, d)``
+``page_head``          ``(2, P, H, ps, L, D)``      (MHA only)
+=====================  ==========================  =======================
+
+Buffers per page on the zero-copy path (:meth:`HostPool.page_buffers`):
+
+* MHA ``layer_first``: ``2 * L`` (K of each layer, then V of each layer), each ``ps*H*D`` items;
+* MHA ``page_first`` / ``page_first_direct`` / ``page_head``: 2 (the K page, then the V page);
+* MHA ``page_head`` with split heads: 2 per head group (its K heads, then its V heads);
+* MLA ``layer_first``: ``L`` (one per layer); MLA ``page_first`` / ``page_first_direct``: 1.
+
+A page's stored bytes are always the concatenation of those buffers, so the zero-copy path and
+the generic path (:meth:`HostPool.copy_page_out` / :meth:`HostPool.copy_page_in`) store identical
+bytes. The layout is part of the key namespace.
+
+Pages are addressed by host **slot** (token index) of their first token, which must be a multiple
+of ``page_size``; the draft pool is indexed by the target pool's slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hicache_draft.capabilities import Attention, Layout, PoolKind
+from hicache_draft.config import KV_DTYPES
+from hicache_draft.transfer import Buffer
+
+Allocator = Callable[[int], torch.Tensor]
+"""Returns a 1-D ``uint8`` CPU tensor of at least the given number of bytes (e.g. shared memory)."""
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The shape of one host pool."""
+
+    kind: PoolKind
+    attention: Attention
+    layers: int
+    page_size: int
+    dtype: torch.dtype
+    layout: Layout
+    kv_heads: int = 0
+    head_dim: int = 0
+    latent_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.attention is Attention.MHA and (self.kv_heads < 1 or self.head_dim < 1):
+            raise ValueError("an MHA pool needs kv_heads >= 1 and head_dim >= 1")
+        if self.attention is Attention.MLA:
+            if self.latent_dim < 1:
+                raise ValueError("an MLA pool needs latent_dim >= 1")
+            if self.layout is Layout.PAGE_HEAD:
+                raise ValueError("layout 'page_head' is MHA-only")
+
+    @classmethod
+    def from_dtype_name(cls, dtype: str, **kw: object) -> PoolSpec:
+        return cls(dtype=KV_DTYPES[dtype], **kw)  # type: ignore[arg-type]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def token_nbytes(self) -> int:
+        """Bytes one token occupies across all layers (K and V for MHA)."""
+        if self.attention is Attention.MHA:
+            return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
+        return self.layers * self.latent_dim * self.itemsize
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.token_nbytes * self.page_size
+
+    def buffers_per_page(self) -> int:
+        """Buffers one page (or one head part of it) has on the zero-copy path."""
+        if self.attention is Attention.MLA:
+            return self.layers if self.layout is Layout.LAYER_FIRST else 1
+        return 2 * self.layers if self.layout is Layout.LAYER_FIRST else 2
+
+    def zero_copy_parts(self, split: int) -> bool:
+        """Whether each of ``split`` head parts of a page is a set of contiguous buffers."""
+        return split == 1 or (self.attention is Attention.MHA and self.layout is Layout.PAGE_HEAD)
+
+
+class HostPool:
+    """A host KV pool of ``num_pages`` pages. Pinned when CUDA is available, plain otherwise.
+
+    ``allocator`` lets a backend supply the memory (e.g. a shared-memory segment); it must
+    return a ``uint8`` CPU tensor of at least the requested size.
+    """
+
+    def __init__(
+        self, spec: PoolSpec, num_pages: int, allocator: Allocator | None = None, pin: bool | None = None
+    ) -> None:
+        if num_pages < 1:
+            raise ValueError("num_pages must be >= 1")
+        self.spec = spec
+        self.num_pages = num_pages
+        self.slots = num_pages * spec.page_size
+        nbytes = self.slots * spec.token_nbytes
+        if allocator is not None:
+            raw = allocator(nbytes)
+            if raw.dtype != torch.uint8 or raw.device.type != "cpu" or raw.numel() < nbytes:
+                raise ValueError(f"allocator returned an unusable tensor for {nbytes} bytes")
+            raw = raw[:nbytes]
+        else:
+            want_pin = torch.cuda.is_available() if pin is None else pin
+            raw = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=bool(want_pin and torch.cuda.is_available()))
+        self.raw = raw
+        self.buffer = raw.view(spec.dtype).view(self._shape())
+
+    # -- geometry -------------------------------------------------------------------------
+    def _shape(self) -> tuple[int, ...]:
+        s = self.spec
+        L, S, P, ps = s.layers, self.slots, self.num_pages, s.page_size
+        if s.attention is Attention.MHA:
+            H, D = s.kv_heads, s.head_dim
+            return {
+                Layout.LAYER_FIRST: (2, L, S, H, D),
+                Layout.PAGE_FIRST: (2, S, L, H, D),
+                Layout.PAGE_FIRST_DIRECT: (2, P, L, ps, H, D),
+                Layout.PAGE_HEAD: (2, P, H, ps, L, D),
+            }[s.layout]
+        d = s.latent_dim
+        return {
+            Layout.LAYER_FIRST: (L, S, 1, d),
+            Layout.PAGE_FIRST: (S, L, 1, d),
+            Layout.PAGE_FIRST_DIRECT: (P, L, ps, 1, d),
+        }[s.layout]
+
+    def page_index(self, slot: int) -> int:
+        """The page whose first slot is ``slot``; ValueError if unaligned or out of range."""
+        ps = self.spec.page_size
+        if slot % ps or not 0 <= slot < self.slots:
+            raise ValueError(f"host slot {slot} is not the first slot of a page (page_size {ps}, {self.slots} slots)")
+        return slot // ps
+
+    def page_view(self, slot: int) -> torch.Tensor:
+        """A (possibly strided) view of the page starting at ``slot``, in the layout's dim order."""
+        p = self.page_index(slot)
+        s = self.spec
+        lo, hi = p * s.page_size, (p + 1) * s.page_size
+        b = self.buffer
+        if s.attention is Attention.MHA:
+            if s.layout is Layout.LAYER_FIRST:
+                return b[:, :, lo:hi]
+            if s.layout is Layout.PAGE_FIRST:
+                return b[:, lo:hi]
+            return b[:, p]
+        if s.layout is Layout.LAYER_FIRST:
+            return b[:, lo:hi]
+        if s.layout is Layout.PAGE_FIRST:
+            return b[lo:hi]
+        return b[p]
+
+    def _head_axis(self) -> int:
+        return 1 if self.spec.layout is Layout.PAGE_HEAD else 3
+
+    def part_view(self, slot: int, part: int = 0, split: int = 1) -> torch.Tensor:
+        """The view of head part ``part`` of ``split`` (the whole page when ``split == 1``)."""
+        view = self.page_view(slot)
+        if split == 1:
+            return view
+        if self.spec.attention is not Attention.MHA:
+            raise ValueError("split heads apply to MHA pools only")
+        h = self.spec.kv_heads // split
+        return view.narrow(self._head_axis(), part * h, h)
+
+    def part_nbytes(self, split: int = 1) -> int:
+        return self.spec.page_nbytes // split
+
+    # -- zero-copy ------------------------------------------------------------------------
+    def page_buffers(self, slot: int, part: int = 0, split: int = 1) -> tuple[Buffer, ...]:
+        """Contiguous regions of pool memory that make up the page (or head part), in order."""
+        view = self.part_view(slot, part, split)
+        if not self.spec.zero_copy_parts(split):
+            raise ValueError(f"layout {self.spec.layout.value} has no contiguous head parts")
+        s = self.spec
+        if s.attention is Attention.MHA:
+            regions = [view[kv, layer] for kv in (0, 1) for layer in range(s.layers)] if (
+                s.layout is Layout.LAYER_FIRST
+            ) else [view[0], view[1]]
+        else:
+            regions = [view[layer] for layer in range(s.layers)] if s.layout is Layout.LAYER_FIRST else [view]
+        out = []
+        for r in regions:
+            assert r.is_contiguous(), "page region must be contiguous"
+            out.append(Buffer(r.data_ptr(), r.numel() * r.element_size(), owner=self))
+        return tuple(out)
+
+    def page_buffer_meta(self, slots: Sequence[int], split: int = 1) -> tuple[list[int], list[int]]:
+        """Pointer and size lists for ``slots`` (all parts of each page, page after page)."""
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for slot in slots:
+            for part in range(split):
+                for b in self.page_buffers(slot, part, split):
+                    ptrs.append(b.ptr)
+                    sizes.append(b.nbytes)
+        return ptrs, sizes
+
+    def regions(self) -> tuple[Buffer, ...]:
+        """The pool's whole memory, for one-time registration with a transport."""
+        return (Buffer(self.raw.data_ptr(), self.raw.numel(), owner=self),)
+
+    # -- generic copies ---------------------------------------------------------------------
+    def copy_page_out(self, slot: int, out: torch.Tensor, part: int = 0, split: int = 1) -> None:
+        """Copy the page (part) into ``out``, a 1-D uint8 tensor of ``part_nbytes(split)``."""
+        view = self.part_view(slot, part, split)
+        out.view(self.spec.dtype).view(view.shape).copy_(view)
+
+    def copy_page_in(self, slot: int, src: torch.Tensor, part: int = 0, split: int = 1) -> None:
+        """Copy ``src`` (1-D uint8, as produced by :meth:`copy_page_out`) into the page (part)."""
+        view = self.part_view(slot, part, split)
+        view.copy_(src.view(self.spec.dtype).view(view.shape))
+
+    def page_bytes(self, slot: int, part: int = 0, split: int = 1) -> bytes:
+        """The page's (part's) stored bytes, as a new ``bytes`` (tests and debugging)."""
+        out = torch.empty(self.part_nbytes(split), dtype=torch.uint8)
+        self.copy_page_out(slot, out, part, split)
+        return bytes(Buffer(out.data_ptr(), out.numel(), owner=out).view())

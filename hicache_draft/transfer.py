@@ -1,0 +1,118 @@
+"""The values that cross the storage contract: buffers, pages, transfers and per-page results.
+
+A backend never sees a torch tensor. It sees :class:`Page` objects, each a key plus one or more
+:class:`Buffer` regions of host memory (pointer and size, viewable as a writable ``memoryview``).
+On the zero-copy path those regions are the host pool's own memory at the page's slots; on the
+generic path they are one contiguous staging buffer the controller copied the page into (or will
+copy it out of). A backend handles both the same way: write the buffers' bytes on ``page_set``,
+fill them on ``page_get``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from hicache_draft.capabilities import Attention, Layout, PoolKind
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """``nbytes`` bytes of host memory at address ``ptr``.
+
+    ``owner`` keeps the memory alive (a tensor, bytearray, ...); backends can ignore it.
+    Native clients (Mooncake, io_uring, ...) use ``ptr``/``nbytes``; Python code uses :meth:`view`.
+    """
+
+    ptr: int
+    nbytes: int
+    owner: object = field(default=None, repr=False, compare=False)
+
+    def view(self) -> memoryview:
+        """A writable byte view of the region (no copy)."""
+        if self.nbytes == 0:
+            return memoryview(bytearray())
+        arr = (ctypes.c_ubyte * self.nbytes).from_address(self.ptr)
+        return memoryview(arr).cast("B")
+
+    @classmethod
+    def of(cls, obj: bytearray | memoryview) -> Buffer:
+        """A buffer over a writable Python object (for tests and simple backends)."""
+        mv = memoryview(obj).cast("B")
+        if mv.readonly:
+            raise ValueError("Buffer.of needs writable memory")
+        arr = (ctypes.c_ubyte * mv.nbytes).from_buffer(mv)
+        return cls(ctypes.addressof(arr), mv.nbytes, owner=(obj, arr))
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of one pool, as the backend sees it.
+
+    ``key``: the storage key, ``f"{group}.{namespace}"``, made of lowercase hex and one dot; it
+    carries every dimension that changes the bytes, so equal keys always mean equal bytes.
+    ``group``: the chained page hash; the target and draft pages of one prefix page share it
+    (a backend that evicts should evict a group together).
+    ``namespace``: the fingerprint of (model, dtype, attention, page size, shape, layout, ranks,
+    pool, head part); backends that write a header put it there.
+    ``buffers``: the page's bytes are the concatenation of these regions, in order.
+    """
+
+    key: str
+    group: str
+    namespace: str
+    buffers: tuple[Buffer, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+
+@dataclass(frozen=True, slots=True)
+class PageTransfer:
+    """The pages of one pool in one batched call. ``zero_copy`` tells whether the buffers are
+    the registered pool's own memory (True) or controller staging memory (False)."""
+
+    pool: PoolKind
+    pages: Sequence[Page]
+    zero_copy: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRegistration:
+    """A host pool announced to the backend once, before any page I/O.
+
+    ``regions``: the pool's whole memory (register it with an RDMA / shared-memory engine here).
+    ``staging``: the controller's staging memory used on the generic path (register it too).
+    ``page_nbytes`` and ``buffers_per_page`` describe one page as the backend will receive it.
+    """
+
+    pool: PoolKind
+    attention: Attention
+    layout: Layout
+    namespace: str
+    page_nbytes: int
+    buffers_per_page: int
+    regions: tuple[Buffer, ...]
+    staging: tuple[Buffer, ...] = ()
+
+
+class PageResult(IntEnum):
+    """The outcome of one page in a batched call."""
+
+    OK = 0
+    MISS = 1  # not stored (never written, evicted, lost)
+    CORRUPT = 2  # stored bytes failed validation; never returned as data
+    FAILED = 3  # I/O, transport or timeout failure
+
+
+def count_prefix(results: Sequence[PageResult]) -> int:
+    """How many leading results are ``OK``."""
+    n = 0
+    for r in results:
+        if r != PageResult.OK:
+            break
+        n += 1
+    return n

@@ -121,6 +121,26 @@ class HostPool:
         self.raw = raw
         self.buffer = raw.view(spec.dtype).view(self._shape())
 
+    @classmethod
+    def wrap(cls, spec: PoolSpec, buffer: torch.Tensor) -> HostPool:
+        """A pool over existing memory (e.g. an SGLang host pool's ``kv_buffer``).
+
+        ``buffer`` must be contiguous, of ``spec.dtype``, and shaped as the layout table says.
+        """
+        if not buffer.is_contiguous() or buffer.dtype != spec.dtype or buffer.device.type != "cpu":
+            raise ValueError("wrapped buffer must be a contiguous CPU tensor of the spec's dtype")
+        per_page = spec.page_nbytes
+        nbytes = buffer.numel() * buffer.element_size()
+        if nbytes % per_page:
+            raise ValueError(f"buffer of {nbytes} bytes is not a whole number of {per_page}-byte pages")
+        self = cls.__new__(cls)
+        self.spec = spec
+        self.num_pages = nbytes // per_page
+        self.slots = self.num_pages * spec.page_size
+        self.raw = buffer.view(-1).view(torch.uint8)
+        self.buffer = buffer.view(self._shape())
+        return self
+
     # -- geometry -------------------------------------------------------------------------
     def _shape(self) -> tuple[int, ...]:
         s = self.spec

@@ -8,7 +8,8 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from hicache_draft.capabilities import Capabilities
-from hicache_draft.hookspecs import API_VERSION
+from hicache_draft.hookspecs import API_VERSION, hookimpl
+from hicache_draft.transfer import PoolRegistration
 
 
 class NoOptions(BaseModel):
@@ -53,3 +54,22 @@ class StorageBackend:
     def __init__(self, options: BaseModel, context: BackendContext) -> None:
         self.options = options
         self.context = context
+
+    def check_registration(self, registration: PoolRegistration) -> None:
+        """Raise ValueError unless the pool and its attention type are declared in ``capabilities``."""
+        cap = type(self).capabilities
+        caps = cap if isinstance(cap, Capabilities) else Capabilities.model_validate(cap)
+        pool = caps.pools.get(registration.pool)
+        if pool is None:
+            raise ValueError(f"this backend does not hold the {registration.pool.value!r} pool")
+        if registration.attention not in pool.attention:
+            raise ValueError(
+                f"this backend does not hold {registration.attention.value!r} pages in the "
+                f"{registration.pool.value!r} pool"
+            )
+
+    @hookimpl
+    def register_pool(self, registration: PoolRegistration) -> None:
+        """Default: refuse what is not declared. Override (and call :meth:`check_registration`) to
+        register memory with a transport."""
+        self.check_registration(registration)

@@ -1,0 +1,30 @@
+"""pytest plugin (entry point ``pytest11: hicache_draft``): fixtures for backend authors.
+
+``hicache_memory_store``: a :class:`~hicache_draft.Store` over the in-memory test backend, with
+its fault injector reset before and after the test.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import pytest
+
+from hicache_draft.plugins import register_backend, unregister_backend
+from hicache_draft.store import Store
+from hicache_draft.testing.memory import MemoryBackend
+
+
+@pytest.fixture
+def hicache_memory_store() -> Iterator[Store]:
+    space = secrets.token_hex(4)
+    MemoryBackend.reset()
+    register_backend("memory", MemoryBackend, distribution="hicache-draft (testing)")
+    store = Store.open("memory", {"space": space})
+    try:
+        yield store
+    finally:
+        store.close()
+        unregister_backend("memory")
+        MemoryBackend.reset()

@@ -1,0 +1,114 @@
+"""Per-pool offload metrics, and an observer plugin that times every storage call.
+
+:class:`Metrics` is a thread-safe counter set the controller fills; :meth:`Metrics.snapshot`
+returns plain dicts (JSON-ready). :class:`CallTimer` is an example observer: a pluggy plugin with
+``wrapper=True`` hookimpls that sees every ``page_set``/``page_get``/``page_exists`` call without the
+backend knowing. Pass observers to :meth:`hicache_draft.Store.open` (or the controller).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+from hicache_draft.capabilities import PoolKind
+from hicache_draft.hookspecs import hookimpl
+from hicache_draft.transfer import PageResult, PageTransfer
+
+
+@dataclass
+class PoolCounters:
+    pages_written: int = 0
+    bytes_written: int = 0
+    write_failures: int = 0
+    pages_read: int = 0
+    bytes_read: int = 0
+    hits: int = 0
+    misses: int = 0
+    read_failures: int = 0
+    corrupt: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class Metrics:
+    """Counters per pool (``kv``, ``draft``), updated by the controller."""
+
+    pools: dict[PoolKind, PoolCounters] = field(default_factory=lambda: {p: PoolCounters() for p in PoolKind})
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_set(self, pool: PoolKind, results: Sequence[PageResult], page_nbytes: int, seconds: float) -> None:
+        ok = sum(1 for r in results if r == PageResult.OK)
+        with self._lock:
+            c = self.pools[pool]
+            c.pages_written += ok
+            c.bytes_written += ok * page_nbytes
+            c.write_failures += len(results) - ok
+            c.seconds += seconds
+
+    def record_get(self, pool: PoolKind, results: Sequence[PageResult], page_nbytes: int, seconds: float) -> None:
+        with self._lock:
+            c = self.pools[pool]
+            for r in results:
+                if r == PageResult.OK:
+                    c.pages_read += 1
+                    c.bytes_read += page_nbytes
+                    c.hits += 1
+                elif r == PageResult.MISS:
+                    c.misses += 1
+                elif r == PageResult.CORRUPT:
+                    c.corrupt += 1
+                    c.misses += 1
+                else:
+                    c.read_failures += 1
+            c.seconds += seconds
+
+    def record_misses(self, pool: PoolKind, n: int) -> None:
+        with self._lock:
+            self.pools[pool].misses += n
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {p.value: asdict(c) for p, c in self.pools.items()}
+
+
+class CallTimer:
+    """An observer plugin: counts calls and seconds per hook, through pluggy wrappers."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self.pages: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _note(self, hook: str, started: float, pages: int) -> None:
+        with self._lock:
+            self.calls[hook] = self.calls.get(hook, 0) + 1
+            self.seconds[hook] = self.seconds.get(hook, 0.0) + time.perf_counter() - started
+            self.pages[hook] = self.pages.get(hook, 0) + pages
+
+    @hookimpl(wrapper=True)
+    def page_set(self, transfers: Sequence[PageTransfer]) -> Generator[None, object, object]:
+        started = time.perf_counter()
+        try:
+            return (yield)
+        finally:
+            self._note("page_set", started, sum(len(t.pages) for t in transfers))
+
+    @hookimpl(wrapper=True)
+    def page_get(self, transfers: Sequence[PageTransfer]) -> Generator[None, object, object]:
+        started = time.perf_counter()
+        try:
+            return (yield)
+        finally:
+            self._note("page_get", started, sum(len(t.pages) for t in transfers))
+
+    @hookimpl(wrapper=True)
+    def page_exists(self, queries: Mapping[PoolKind, Sequence[str]]) -> Generator[None, object, object]:
+        started = time.perf_counter()
+        try:
+            return (yield)
+        finally:
+            self._note("page_exists", started, sum(len(k) for k in queries.values()))

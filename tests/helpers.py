@@ -1,0 +1,69 @@
+"""Shared builders for the core tests."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import torch
+
+from hicache_draft import Config
+from hicache_draft.controller import CacheController
+from hicache_draft.store import Store
+from hicache_draft.testing import MemoryBackend
+
+PS = 4
+
+
+def make_config(
+    target: str = "mha",
+    draft: str | None = "mha",
+    layout: str = "page_first",
+    draft_layout: str | None = None,
+    on_miss: str = "shorten",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_lcm_size: int | None = None,
+    kv_heads: int = 4,
+    draft_heads: int = 2,
+    **extra: Any,
+) -> Config:
+    t: dict[str, Any] = {"attention": target, "layers": 2, "layout": layout}
+    t.update({"kv_heads": kv_heads, "head_dim": 8} if target == "mha" else {"latent_dim": 24})
+    d: dict[str, Any] = {"enabled": draft is not None, "on_miss": on_miss}
+    if draft is not None:
+        d.update({"attention": draft, "layers": 1})
+        d.update({"kv_heads": draft_heads, "head_dim": 8} if draft == "mha" else {"latent_dim": 16})
+        if draft_layout:
+            d["layout"] = draft_layout
+    data = {
+        "backend": "memory",
+        "namespace": {"model": "m-target", "draft_model": "m-draft", "kv_dtype": "float16", "page_size": PS},
+        "parallel": {"tp_rank": tp_rank, "tp_size": tp_size, "tp_lcm_size": tp_lcm_size},
+        "target": t,
+        "draft": d,
+    }
+    data.update(extra)
+    return Config.model_validate(data)
+
+
+def make_controller(
+    config: Config, backend: type[MemoryBackend] = MemoryBackend, space: str | None = None, num_pages: int = 16
+) -> CacheController:
+    store = Store("memory", backend, backend.capabilities, {"space": space or secrets.token_hex(4)},)
+    return CacheController(config, store, num_pages)
+
+
+def fill_random(ctrl: CacheController) -> None:
+    ctrl.target_pool.raw.copy_(torch.randint(0, 256, ctrl.target_pool.raw.shape, dtype=torch.uint8))
+    if ctrl.draft_pool is not None:
+        ctrl.draft_pool.raw.copy_(torch.randint(0, 256, ctrl.draft_pool.raw.shape, dtype=torch.uint8))
+
+
+def tokens(n_pages: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (n_pages * PS,), generator=g).tolist()
+
+
+def slots(indices: list[int] | range) -> list[int]:
+    return [i * PS for i in indices]

@@ -301,6 +301,7 @@ class CacheController:
         target and draft together. Never raises for storage trouble."""
         hashes = page_hashes(token_ids, self.page_size, prior_hash)
         n = min(len(hashes), len(host_slots))
+        hashes, host_slots = hashes[:n], list(host_slots[:n])
         result = BackupResult(pages=n)
         writers = [(k, st) for k, st in self._pools.items() if st.active and st.writer]
         result.not_writer = [k for k, st in self._pools.items() if st.active and not st.writer]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from hicache_draft import Config
+from hicache_draft import BackendContext, Config
 from hicache_draft.controller import CacheController
 from hicache_draft.store import Store
 from hicache_draft.testing import MemoryBackend
@@ -50,7 +50,8 @@ def make_config(
 def make_controller(
     config: Config, backend: type[MemoryBackend] = MemoryBackend, space: str | None = None, num_pages: int = 16
 ) -> CacheController:
-    store = Store("memory", backend, backend.capabilities, {"space": space or secrets.token_hex(4)},)
+    ctx = BackendContext(tp_rank=config.parallel.tp_rank, tp_size=config.parallel.tp_size, timeout_s=config.timeout_s)
+    store = Store("memory", backend, backend.capabilities, {"space": space or secrets.token_hex(4)}, ctx)
     return CacheController(config, store, num_pages)
 
 

@@ -1,0 +1,168 @@
+"""The ``hicache-draft`` command: backends, check, demo, and commands contributed by plugins.
+
+Exit codes: 0 ok, 2 bad input (config, unknown backend), 1 any other failure.
+Plugins add subcommands through the entry-point group ``hicache_draft.commands`` (a click
+command or group per entry point); a plugin whose commands fail to load is reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from importlib.metadata import entry_points
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from hicache_draft.capabilities import IOPath, PoolKind
+from hicache_draft.config import Config, load_config
+from hicache_draft.errors import ConfigError, HiCacheDraftError, PluginError
+from hicache_draft.paths import plan_paths
+from hicache_draft.plugins import discover_backends, get_backend
+
+COMMANDS_GROUP = "hicache_draft.commands"
+
+_err = Console(stderr=True)
+
+
+def _fail(message: str, code: int) -> None:
+    _err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    sys.exit(code)
+
+
+class _Group(click.Group):
+    """Adds plugin commands lazily and maps our errors to exit codes without tracebacks."""
+
+    _loaded = False
+
+    def _load_plugin_commands(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        for ep in entry_points(group=COMMANDS_GROUP):
+            if ep.name in self.commands:
+                continue
+            try:
+                cmd = ep.load()
+            except Exception as exc:  # one broken plugin must not break the CLI
+                _err.print(f"[yellow]warning:[/] commands of plugin {ep.name!r} failed to load: {exc}")
+                continue
+            if isinstance(cmd, click.Command):
+                self.add_command(cmd, ep.name)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        self._load_plugin_commands()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        self._load_plugin_commands()
+        return super().get_command(ctx, cmd_name)
+
+    def invoke(self, ctx: click.Context) -> Any:  # noqa: ANN401
+        try:
+            return super().invoke(ctx)
+        except ConfigError as exc:
+            _fail(str(exc), 2)
+        except PluginError as exc:
+            _fail(str(exc), 2)
+        except HiCacheDraftError as exc:
+            _fail(str(exc), 1)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="hicache-draft")
+def main() -> None:
+    """Offload LLM KV-cache pages (target and speculative-decoding draft) to pluggable storage."""
+
+
+def _caps_cell(caps: dict[str, Any] | None) -> str:
+    if not caps:
+        return "-"
+    lines = []
+    for pool, c in caps["pools"].items():
+        zc = ",".join(c["zero_copy_layouts"]) or "none"
+        generic = "yes" if c["generic"] else "no"
+        limit = f" max_buffers={c['max_buffers_per_page']}" if c["max_buffers_per_page"] else ""
+        lines.append(f"{pool}: {'/'.join(c['attention'])}; zero-copy: {zc}; generic: {generic}{limit}")
+    lines.append(f"split_heads: {caps['split_heads']}; persistent: {caps['persistent']}")
+    return "\n".join(lines)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+def backends(as_json: bool) -> None:
+    """List every discovered storage backend with its capabilities (and load error, if any)."""
+    found = discover_backends()
+    rows = [info.as_dict() for _, info in sorted(found.items())]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="hicache-draft storage backends", show_lines=True)
+    for col in ("name", "distribution", "version", "capabilities", "error"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(
+            str(r["name"]), str(r["distribution"] or "-"), str(r["version"] or "-"),
+            _caps_cell(r["capabilities"]),  # type: ignore[arg-type]
+            f"[red]{r['error']}[/]" if r["error"] else "",
+        )
+    Console().print(table)
+
+
+def check_report(config: Config) -> dict[str, Any]:
+    """What ``check`` reports: the backend's declaration and each pool's path, without opening it."""
+    info = get_backend(config.backend)
+    assert info.capabilities is not None and info.cls is not None
+    from hicache_draft.store import validate_options
+
+    validate_options(config.backend, info.cls, config.backend_options)
+    plan = plan_paths(config, info.capabilities)
+    return {
+        "backend": config.backend,
+        "distribution": info.distribution,
+        "capabilities": info.capabilities.summary(),
+        "pools": {k.value: plan[k].as_dict() for k in PoolKind},
+        "draft_on_miss": config.draft.on_miss.value,
+        "split_factor": config.parallel.split_factor,
+    }
+
+
+@main.command()
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+def check(config_path: str, as_json: bool) -> None:
+    """Validate CONFIG_PATH and say which I/O path each pool takes, and why (no store needed)."""
+    config = load_config(config_path)
+    report = check_report(config)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    console = Console()
+    console.print(f"config [bold]{config_path}[/] is valid; backend [bold]{report['backend']}[/] "
+                  f"({report['distribution'] or 'in-process'})")
+    table = Table(title="I/O path per pool")
+    table.add_column("pool")
+    table.add_column("path")
+    table.add_column("reason", overflow="fold")
+    colors = {IOPath.ZERO_COPY.value: "green", IOPath.GENERIC.value: "yellow", IOPath.DISABLED.value: "red"}
+    for pool, choice in report["pools"].items():
+        table.add_row(pool, f"[{colors[choice['path']]}]{choice['path']}[/]", choice["reason"])
+    console.print(table)
+
+
+def _add_builtin_optional_commands() -> None:
+    """Commands whose modules may be absent in a trimmed install (the demo)."""
+    try:
+        from hicache_draft.demo.command import demo
+    except ImportError:  # pragma: no cover - the demo ships with the core
+        return
+    main.add_command(demo, "demo")
+
+
+_add_builtin_optional_commands()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,99 @@
+"""The hicache-draft command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hicache_draft.cli import main
+from hicache_draft.plugins import register_backend, unregister_backend
+from hicache_draft.testing import MemoryBackend
+
+CONFIG = """
+backend = "memory"
+[backend_options]
+space = "cli"
+[namespace]
+model = "m"
+draft_model = "d"
+page_size = 16
+[target]
+attention = "mla"
+layers = 4
+latent_dim = 64
+layout = "page_first"
+[draft]
+attention = "mha"
+kv_heads = 2
+head_dim = 16
+"""
+
+
+@pytest.fixture
+def memory_backend():
+    register_backend("memory", MemoryBackend, distribution="test-dist")
+    yield
+    unregister_backend("memory")
+
+
+def test_backends_json_lists_declarations(memory_backend):
+    res = CliRunner().invoke(main, ["backends", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["name"]: r for r in json.loads(res.stdout)}
+    mem = rows["memory"]
+    assert mem["distribution"] == "test-dist" and mem["error"] is None
+    assert set(mem["capabilities"]["pools"]) == {"kv", "draft"}
+    assert mem["capabilities"]["split_heads"] is True
+    table = CliRunner().invoke(main, ["backends"])
+    assert table.exit_code == 0 and "memory" in table.output
+
+
+def test_check_json_reports_paths(memory_backend, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG)
+    res = CliRunner().invoke(main, ["check", str(cfg), "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["backend"] == "memory"
+    assert report["pools"]["kv"]["path"] == "zero_copy"
+    assert report["pools"]["draft"]["path"] == "zero_copy"
+    human = CliRunner().invoke(main, ["check", str(cfg)])
+    assert human.exit_code == 0 and "zero_copy" in human.output
+
+
+def test_bad_config_exits_2_naming_the_field(memory_backend, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.replace("page_size = 16", "page_size = -1"))
+    res = CliRunner().invoke(main, ["check", str(cfg)])
+    assert res.exit_code == 2
+    assert "namespace.page_size" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_bad_backend_option_exits_2(memory_backend, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.replace('space = "cli"', 'spaec = "cli"'))
+    res = CliRunner().invoke(main, ["check", str(cfg)])
+    assert res.exit_code == 2 and "backend_options.spaec" in res.output
+
+
+def test_unknown_backend_exits_2_listing_installed(memory_backend, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.replace('backend = "memory"', 'backend = "nosuch"'))
+    res = CliRunner().invoke(main, ["check", str(cfg)])
+    assert res.exit_code == 2
+    assert "unknown backend 'nosuch'" in res.output and "memory" in res.output
+
+
+def test_installed_script_runs_without_traceback(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("backend = 1\n")
+    exe = Path(sys.executable).with_name("hicache-draft")
+    proc = subprocess.run([str(exe), "check", str(cfg)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "invalid config" in proc.stderr

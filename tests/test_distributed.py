@@ -1,0 +1,57 @@
+"""TP ranks agree on one restorable prefix through a real multi-process gloo group."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, space: str, drop_rank: int, out: dict) -> None:
+    import torch.distributed as dist
+
+    from hicache_draft import PoolKind
+    from hicache_draft.testing import MemoryBackend
+    from tests.helpers import fill_random, make_config, make_controller, slots, tokens
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg = make_config("mha", "mha", tp_rank=rank, tp_size=world)
+        ctrl = make_controller(cfg, space=space)
+        fill_random(ctrl)
+        toks = tokens(6)
+        ctrl.backup(toks, slots(range(6)))
+        if rank == drop_rank:  # this rank's draft page 2 is evicted
+            key = ctrl.keys_for(PoolKind.DRAFT, __import__("hicache_draft").page_hashes(toks, 4))[2]
+            ctrl.store.backend.drop(key)
+        reader = make_controller(cfg, space=space)
+        res = reader.prefetch(toks, slots(range(8, 14)))
+        out[rank] = (res.pages, res.hit[PoolKind.DRAFT])
+        MemoryBackend.reset()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_min_prefix(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # spawned children take the parent's sys.path
+    world = 2
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_rank_main, args=(world, _free_port(), secrets.token_hex(4), 1, out), nprocs=world, join=True)
+        result = dict(out)
+    # rank 1 alone lost a draft page at index 2: its own hit is 2, rank 0's is 6; both restore 2
+    assert result[0] == (2, 6)
+    assert result[1] == (2, 2)

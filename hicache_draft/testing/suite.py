@@ -218,11 +218,12 @@ class ConformanceSuite:
         readers = [PoolRig(r.case, r.namespace) for r in rigs]
         for rd in readers:
             store.register_pool(rd.registration())
-        got, _ = store.page_get([rd.transfer(rd.pages(groups, _slots([5, 6, 7]), fill=False)) for rd in readers])
-        for r, rd, t in zip(rigs, readers, transfers, strict=True):
+        reads = [rd.transfer(rd.pages(groups, _slots([5, 6, 7]), fill=False)) for rd in readers]
+        got, _ = store.page_get(reads)
+        for r, rd, t, back in zip(rigs, readers, transfers, reads, strict=True):
             assert got[r.case.pool] == [OK] * 3
-            for i, src in enumerate(t.pages):
-                assert rd.pool.page_bytes(_slots([5 + i])[0]) == r.page_bytes(src)
+            for src, dst in zip(t.pages, back.pages, strict=True):
+                assert rd.page_bytes(dst) == r.page_bytes(src)
 
     def test_large_batch(self, store: Store) -> None:
         case = self._cases(store)[0]

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Set up everything hicache-draft needs in a virtual environment: the core, every plugin in this
+# repository, the example third-party backend, and (with --test) the test tools and SGLang's
+# interface package. Idempotent: a second run only re-checks.
+#
+#   scripts/setup.sh          # for the demo
+#   scripts/setup.sh --test   # for the test suite
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+TORCH_PIN="torch==2.13.0"          # the CPU build on this kind of machine; unpinned torch pulls CUDA
+MOONCAKE_EXTRA=${MOONCAKE_EXTRA:-cpu}  # "cuda" on CUDA hosts
+SGLANG_PIN="sglang==0.5.23"
+want_test=0
+[ "${1:-}" = "--test" ] && want_test=1
+
+say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+
+# The Mooncake client needs Debian's libibverbs1 (even over TCP).
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+  say "installing libibverbs1 (needed by the Mooncake client library)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnuma1 libcurl4 >/dev/null
+fi
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for cand in python3.11 python3; do
+    if command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+      PY=$cand; break
+    fi
+  done
+fi
+[ -n "$PY" ] || { echo "error: Python 3.11+ is required" >&2; exit 1; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating virtual environment $VENV with $($PY --version)"
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+dists=()
+for d in plugins/*/ examples/*/; do
+  d=${d%/}
+  [ -f "$d/pyproject.toml" ] || continue
+  if [ "$d" = plugins/mooncake ]; then dists+=(-e "$d[$MOONCAKE_EXTRA]"); else dists+=(-e "$d"); fi
+done
+
+stamp="$VENV/.hicache-draft-setup"
+extras=""
+[ $want_test = 1 ] && extras="[test]"
+fingerprint=$(cat pyproject.toml plugins/*/pyproject.toml examples/*/pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
+fingerprint="$fingerprint-$want_test"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ]; then
+  say "environment $VENV is up to date"
+else
+  say "installing hicache-draft$extras ($TORCH_PIN) and ${dists[*]//-e /}"
+  "${PIP[@]}" "$TORCH_PIN" -e ".$extras" "${dists[@]}"
+  if [ $want_test = 1 ]; then
+    say "installing $SGLANG_PIN without its dependencies (its storage interface only)"
+    "${PIP[@]}" --no-deps "$SGLANG_PIN" 2>&1 | grep -v "dependency resolver" || true
+  fi
+  echo "$fingerprint" > "$stamp"
+fi
+say "ready: $VENV/bin/hicache-draft ($("$VENV/bin/python" -c 'import hicache_draft; print(hicache_draft.__version__)'))"

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -158,11 +159,14 @@ class CacheController:
         self.metrics = Metrics()
         self.process_group = process_group
         self.plan: dict[PoolKind, PathChoice] = plan_paths(config, store.capabilities)
+        self._host_memory_owners: list[object] = []
         specs = pool_specs(config)
         par = config.parallel
         self._pools: dict[PoolKind, _PoolState] = {}
         for kind, spec in specs.items():
-            host = (pools or {}).get(kind) or HostPool(spec, num_pages, allocator=allocator)
+            host = (pools or {}).get(kind) or HostPool(
+                spec, num_pages, allocator=allocator or self._backend_allocator(kind)
+            )
             if host.spec != spec:
                 raise ValueError(f"given {kind.value} host pool does not match the config's shape")
             split = par.split_factor if spec.attention is Attention.MHA else 1
@@ -204,6 +208,22 @@ class CacheController:
         except BaseException:
             store.close()
             raise
+
+    def _backend_allocator(self, kind: PoolKind) -> Allocator | None:
+        """An allocator over memory the backend offers through ``host_memory`` (if it does)."""
+        if not self.store.has_hook("host_memory"):
+            return None
+
+        def alloc(nbytes: int) -> torch.Tensor:
+            buf = self.store.host_memory(kind, nbytes)
+            if buf is None:
+                return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            arr = (ctypes.c_ubyte * buf.nbytes).from_address(buf.ptr)
+            t = torch.frombuffer(arr, dtype=torch.uint8)
+            self._host_memory_owners.append((buf, arr))
+            return t
+
+        return alloc
 
     # -- setup -------------------------------------------------------------------------------------
     def _register_pools(self) -> None:

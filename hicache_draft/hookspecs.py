@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import pluggy
 
 from hicache_draft.capabilities import PoolKind
-from hicache_draft.transfer import PageResult, PageTransfer, PoolRegistration
+from hicache_draft.transfer import Buffer, PageResult, PageTransfer, PoolRegistration
 
 PROJECT = "hicache_draft"
 API_VERSION = 1
@@ -71,6 +71,16 @@ def page_exists(queries: Mapping[PoolKind, Sequence[str]], deadline: float) -> M
 
     ``queries`` maps a pool to keys in prefix order. An error counts as "not stored" from that
     key on. This is a hint for planning; ``page_get`` is what decides.
+    """
+
+
+@hookspec(firstresult=True)
+def host_memory(pool: PoolKind, nbytes: int) -> Buffer | None:
+    """Optionally provide the memory for a host pool, before it is built.
+
+    Return a :class:`~hicache_draft.Buffer` of at least ``nbytes`` bytes (e.g. from a shared-memory
+    segment the store reads directly; keep it alive through ``owner``), or ``None`` to let
+    hicache-draft allocate (pinned when CUDA is available). Called once per pool.
     """
 
 

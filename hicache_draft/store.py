@@ -25,7 +25,7 @@ from hicache_draft.backend import BackendContext, StorageBackend
 from hicache_draft.capabilities import Capabilities, PoolKind
 from hicache_draft.errors import BackendSetupError, ConfigError, PluginError
 from hicache_draft.plugins import get_backend, new_plugin_manager
-from hicache_draft.transfer import PageResult, PageTransfer, PoolRegistration
+from hicache_draft.transfer import Buffer, PageResult, PageTransfer, PoolRegistration
 
 log = logging.getLogger("hicache_draft.store")
 
@@ -167,6 +167,23 @@ class Store:
             raise BackendSetupError(f"backend {self.name!r}: register_pool timed out after {self.timeout_s}s")
         if status == "error":
             raise BackendSetupError(f"backend {self.name!r} refused pool {registration.pool.value!r}: {value}")
+
+    def has_hook(self, hook: str) -> bool:
+        """Whether the backend (or an observer) implements ``hook``."""
+        return bool(getattr(self.pm.hook, hook).get_hookimpls())
+
+    def host_memory(self, pool: PoolKind, nbytes: int) -> Buffer | None:
+        """Memory the backend offers for a host pool, or None (bounded; a failure is an error)."""
+        deadline = time.monotonic() + self.timeout_s
+        status, value, _ = self._call("host_memory", {"pool": pool, "nbytes": nbytes}, deadline)
+        if status != "ok":
+            raise BackendSetupError(
+                f"backend {self.name!r} could not provide host memory for the {pool.value!r} pool: "
+                f"{'timed out' if status == 'timeout' else value}"
+            )
+        if value is not None and (not isinstance(value, Buffer) or value.nbytes < nbytes):
+            raise BackendSetupError(f"backend {self.name!r} returned unusable host memory for {pool.value!r}")
+        return value
 
     def page_set(
         self, transfers: Sequence[PageTransfer], timeout_s: float | None = None

@@ -377,3 +377,26 @@ def test_backend_refusing_a_pool_disables_it_with_its_reason():
     assert ctrl.plan[DRAFT].path is IOPath.DISABLED
     assert "draft memory cannot be registered here" in ctrl.plan[DRAFT].reason
     ctrl.close()
+
+
+def test_backend_can_provide_host_pool_memory():
+    import torch
+
+    from hicache_draft import Buffer, hookimpl
+
+    offered: list[torch.Tensor] = []
+
+    class Offers(MemoryBackend):
+        @hookimpl
+        def host_memory(self, pool, nbytes):
+            t = torch.zeros(nbytes + 64, dtype=torch.uint8)
+            offered.append(t)
+            return Buffer(t.data_ptr(), t.numel(), owner=t)
+
+    writer, reader = _pair(make_config(), Offers)
+    assert writer.target_pool.raw.data_ptr() == offered[0].data_ptr()
+    assert writer.draft_pool.raw.data_ptr() == offered[1].data_ptr()
+    toks = tokens(3)
+    writer.backup(toks, slots(range(3)))
+    assert reader.prefetch(toks, slots(range(4, 7))).pages == 3
+    assert _same(writer, reader, slots(range(3)), slots(range(4, 7)), DRAFT)

@@ -9,7 +9,8 @@ every dimension that changes the page's bytes: key format version, model identit
 draft weights), pool name, dtype, attention type, page size, layer count, head shape, layout,
 pipeline rank, and for sharded (MHA) pools the global head group ``tp_rank * split + part`` out
 of ``tp_lcm_size`` groups (``tp_size`` when not split), with its head count: that is what lets
-``tp_size = 2`` and ``tp_size = 4`` servers with one ``tp_lcm_size`` share pages head for head. MLA pools are replicated across TP ranks, so their keys are rank-neutral.
+``tp_size = 2`` and ``tp_size = 4`` servers with one ``tp_lcm_size`` share pages head for head.
+MLA pools are replicated across TP ranks, so their keys are rank-neutral.
 """
 
 from __future__ import annotations

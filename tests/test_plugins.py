@@ -12,10 +12,10 @@ import hicache_draft.plugins as plugins_mod
 from hicache_draft import (
     Attention,
     Buffer,
+    Capabilities,
     Page,
     PageResult,
     PageTransfer,
-    Capabilities,
     PluginError,
     PoolCapability,
     PoolKind,

@@ -175,7 +175,9 @@ class ConformanceSuite:
         assert res[rig.case.pool] == [OK] * len(pages), f"{rig.case.id}: page_set results {res}"
         return pages
 
-    def _read(self, store: Store, rig: PoolRig, groups: list[str], idx: list[int]) -> tuple[list[Page], list[PageResult]]:
+    def _read(
+        self, store: Store, rig: PoolRig, groups: list[str], idx: list[int]
+    ) -> tuple[list[Page], list[PageResult]]:
         reader = PoolRig(rig.case, rig.namespace)  # a second, zeroed pool of the same shape
         reader.pool.raw.zero_()
         store.register_pool(reader.registration())
@@ -269,7 +271,8 @@ class ConformanceSuite:
         store.register_pool(reader.registration())
         pages = reader.pages(groups, _slots([4, 5, 6]), fill=False)
         short = torch.zeros(max(1, pages[1].nbytes // 2), dtype=torch.uint8)
-        pages[1] = Page(pages[1].key, pages[1].group, pages[1].namespace, (Buffer(short.data_ptr(), short.numel(), short),))
+        bad = (Buffer(short.data_ptr(), short.numel(), short),)
+        pages[1] = Page(pages[1].key, pages[1].group, pages[1].namespace, bad)
         res, _ = store.page_get([reader.transfer(pages)])
         got = res[case.pool]
         assert got[0] == OK and got[2] == OK, got

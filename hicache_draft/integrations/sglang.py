@@ -1,0 +1,514 @@
+"""An SGLang ``HiCacheStorage`` that stores target and draft KV pages in any hicache-draft backend.
+
+Load it through SGLang's own dynamic-backend mechanism::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic \\
+    --hicache-storage-backend-extra-config '{"backend_name": "hicache_draft",
+        "module_path": "hicache_draft.integrations.sglang", "class_name": "HiCacheDraftStorage",
+        "interface_v1": true,
+        "hicache_draft": {"backend": "file", "backend_options": {"root": "/mnt/kv"}}}'
+
+What SGLang calls, and where it goes:
+
+* ``batch_set_v1`` / ``batch_get_v1`` / ``batch_exists``: target (``kv``) pages by host index.
+* ``register_mem_host_pool_v2`` with ``PoolName.DRAFT``, then ``batch_exists_v2`` /
+  ``batch_get_v2`` / ``batch_set_v2``: target and draft pages in one backend call; the hit is the
+  longest target prefix, shortened to the draft prefix (ALL_PAGES).
+* ``batch_set`` / ``batch_get`` / ``set`` / ``get`` / ``exists`` (SGLang's generic calls, flat data
+  pages): ``"{hash}"`` keys are target pages, ``"{hash}.draft"`` keys draft pages.
+
+Every page key is ``make_key(page_hash, namespace)`` with a namespace built from SGLang's storage
+config, the host pool's shape and the model identities. Pages go zero-copy from SGLang's host pool
+memory when the backend declares the pool's layout zero-copy, through a staging area otherwise.
+Nothing here raises into SGLang's I/O threads: failures are ``False`` per page, and misses.
+
+This module imports SGLang's storage module (without running ``sglang/__init__.py``); the core
+package never imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache_draft.backend import BackendContext
+from hicache_draft.capabilities import Attention, IOPath, PoolKind
+from hicache_draft.errors import BackendSetupError, ConfigError
+from hicache_draft.integrations.sglang_config import (
+    AdapterSettings,
+    Placement,
+    interface_v1,
+    parse_settings,
+    placement,
+)
+from hicache_draft.integrations.sglang_loader import load_storage_module
+from hicache_draft.integrations.sglang_pools import (
+    PoolView,
+    Staging,
+    host_pool_spec,
+    legacy_draft_spec,
+    namespaces,
+    pool_path,
+    split_factor,
+)
+from hicache_draft.keys import make_key
+from hicache_draft.pools import HostPool, PoolSpec
+from hicache_draft.store import Store
+from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
+
+_sg = load_storage_module()
+HiCacheStorage = _sg.HiCacheStorage
+HiCacheStorageConfig = _sg.HiCacheStorageConfig
+HiCacheStorageExtraInfo = _sg.HiCacheStorageExtraInfo
+PoolHitPolicy = _sg.PoolHitPolicy
+PoolName = _sg.PoolName
+PoolTransfer = _sg.PoolTransfer
+PoolTransferResult = _sg.PoolTransferResult
+
+log = logging.getLogger("hicache_draft.sglang")
+
+_HEX = re.compile(r"[0-9a-f]+")
+_POOL_OF_NAME = {"kv": PoolKind.KV, "draft": PoolKind.DRAFT}
+
+
+def page_group(sglang_key: str) -> str:
+    """Our page group (lowercase hex) for an SGLang page hash. SGLang's hashes are 64 hex digits
+    and are kept as they are; any other string is hashed (SHA-256), so keys stay well-formed."""
+    low = sglang_key.lower()
+    return low if _HEX.fullmatch(low) else hashlib.sha256(sglang_key.encode()).hexdigest()
+
+
+def split_generic_key(key: str) -> tuple[PoolKind | None, str]:
+    """``"{hash}"`` -> target, ``"{hash}.draft"`` -> draft, ``"{hash}.kv"`` -> target; other
+    pool suffixes -> ``None`` (a pool we do not hold)."""
+    head, sep, tail = key.rpartition(".")
+    if not sep:
+        return PoolKind.KV, page_group(key)
+    return _POOL_OF_NAME.get(tail), page_group(head)
+
+
+@dataclass
+class _Job:
+    """The pages of one pool in one adapter call: from host slots or from flat SGLang pages."""
+
+    view: PoolView
+    groups: list[str]
+    slots: list[int] | None = None
+    flats: list[torch.Tensor] | None = None
+
+    @property
+    def staged(self) -> bool:
+        return self.slots is None or self.view.path is IOPath.GENERIC
+
+
+class HiCacheDraftStorage(HiCacheStorage):
+    """SGLang storage backend over a hicache-draft :class:`~hicache_draft.Store`.
+
+    Built by SGLang as ``HiCacheDraftStorage(storage_config, kwargs)``; settings come from
+    ``storage_config.extra_config["hicache_draft"]`` (:class:`AdapterSettings`).
+    """
+
+    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
+        extra = getattr(storage_config, "extra_config", None) or {}
+        self.storage_config = storage_config
+        self.settings: AdapterSettings = parse_settings(extra)
+        self.placement: Placement = placement(storage_config, self.settings)
+        self.interface_v1 = interface_v1(extra)
+        par = self.placement.parallel
+        context = BackendContext(tp_rank=par.tp_rank, tp_size=par.tp_size, timeout_s=self.settings.timeout_s)
+        self.store = Store.open(self.settings.backend, self.settings.backend_options, context)
+        self.views: dict[PoolKind, PoolView] = {}
+        self.registered_pools: dict[Any, Any] = {}
+        self.mem_pool_host: Any = None
+        self._lock = threading.Lock()
+        self._logged: set[str] = set()
+        log.info(
+            "hicache-draft SGLang adapter: backend %r, model %r, draft model %r, tp %d/%d, pp %d/%d",
+            self.settings.backend, self.placement.model, self.placement.draft_model,
+            par.tp_rank, par.tp_size, par.pp_rank, par.pp_size,
+        )
+
+    # -- logging ----------------------------------------------------------------------------
+    def _warn_once(self, what: str, msg: str, *args: object) -> None:
+        with self._lock:
+            first = what not in self._logged
+            self._logged.add(what)
+        (log.warning if first else log.debug)(msg, *args)
+
+    # -- pool registration ------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The target (anchor) host pool, right after construction."""
+        self.mem_pool_host = mem_pool_host
+        self._register(PoolKind.KV, mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Extra host pools: ``PoolName.DRAFT`` becomes our draft pool; ``KV`` the target pool;
+        others are recorded and answered with misses."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == str(PoolName.KV):
+            if self.views.get(PoolKind.KV) is None or self.views[PoolKind.KV].source is not host_pool:
+                self._register(PoolKind.KV, host_pool)
+        elif name == str(PoolName.DRAFT):
+            self._register(PoolKind.DRAFT, host_pool)
+        else:
+            log.info("hicache-draft: pool %r is not held by hicache-draft; its pages are misses", name)
+
+    def on_host_pools_registered(self) -> None:
+        for kind, view in self.views.items():
+            log.info("hicache-draft: pool %s: %s (%s)", kind.value, view.path.value, view.reason)
+
+    def _register(self, kind: PoolKind, host_pool: Any) -> None:
+        try:
+            spec = host_pool_spec(host_pool, kind)
+        except ConfigError as exc:
+            if kind is PoolKind.KV:
+                raise
+            log.warning("hicache-draft: %s pool offload disabled: %s", kind.value, exc)
+            return
+        pool = HostPool.wrap(spec, host_pool.kv_buffer)
+        view = self._make_view(spec, pool, host_pool)
+        self.views[kind] = view
+        if kind is PoolKind.KV and self.settings.legacy_draft_pool is not None and PoolKind.DRAFT not in self.views:
+            dspec = legacy_draft_spec(self.settings.legacy_draft_pool, spec)
+            self.views[PoolKind.DRAFT] = self._make_view(dspec, None, None)
+
+    def _make_view(self, spec: PoolSpec, pool: HostPool | None, source: Any) -> PoolView:
+        caps = self.store.capabilities
+        split = split_factor(spec, self.placement, caps)
+        if self.placement.parallel.split_factor > 1 and split == 1 and spec.attention is Attention.MHA:
+            self._warn_once(
+                f"split:{spec.kind}", "hicache-draft: %s pool: head groups not split (backend %r declares "
+                "split_heads=%s, layout %s); pages are shared only with servers of the same tp_size",
+                spec.kind.value, self.store.name, caps.split_heads, spec.layout.value,
+            )
+        choice = pool_path(caps, spec, split, has_memory=pool is not None)
+        path, reason = choice.path, choice.reason
+        kv = self.views.get(PoolKind.KV)
+        if spec.kind is PoolKind.DRAFT and (kv is None or kv.path is IOPath.DISABLED):
+            path, reason = IOPath.DISABLED, "the target 'kv' pool is disabled, so nothing is offloaded"
+        view = PoolView(spec=spec, pool=pool, namespaces=namespaces(spec, self.placement, split), path=path,
+                        reason=reason, source=source)
+        if path is IOPath.DISABLED:
+            log.warning("hicache-draft: %s pool offload disabled: %s", spec.kind.value, reason)
+            return view
+        needs_staging = path is IOPath.GENERIC or (spec.kind is PoolKind.KV and not self.interface_v1)
+        if needs_staging or pool is None:
+            view.staging = Staging(spec.page_nbytes, self.settings.staging_pages)
+        zero_copy = path is IOPath.ZERO_COPY
+        registration = PoolRegistration(
+            pool=spec.kind,
+            attention=spec.attention,
+            layout=spec.layout,
+            namespace=view.namespaces[0],
+            page_nbytes=view.part_nbytes,
+            buffers_per_page=spec.buffers_per_page() if zero_copy else 1,
+            regions=pool.regions() if (zero_copy and pool is not None) else (),
+            staging=(view.staging.region(),) if view.staging is not None else (),
+        )
+        try:
+            self.store.register_pool(registration)
+        except BackendSetupError as exc:
+            log.warning("hicache-draft: %s pool offload disabled: %s", spec.kind.value, exc)
+            view.path, view.reason = IOPath.DISABLED, str(exc)
+        return view
+
+    def _view(self, kind: PoolKind | None) -> PoolView | None:
+        view = self.views.get(kind) if kind is not None else None
+        return view if view is not None and view.path is not IOPath.DISABLED else None
+
+    # -- the page mover -----------------------------------------------------------------------
+    def _run(self, op: str, jobs: Sequence[_Job]) -> list[list[bool]]:
+        """Move pages in lockstep chunks (all pools of a chunk in one backend call); per-page results."""
+        out = [[False] * len(j.groups) for j in jobs]
+        if not jobs or not any(j.groups for j in jobs):
+            return out
+        stagings = {id(j.view.staging): j.view.staging for j in jobs if j.staged and j.view.staging is not None}
+        total = max(len(j.groups) for j in jobs)
+        chunk = min((s.pages for s in stagings.values()), default=total)
+        for start in range(0, total, chunk):
+            with ExitStack() as stack:
+                for key in sorted(stagings):
+                    st = stagings[key]
+                    if not st.lock.acquire(timeout=self.settings.timeout_s):
+                        self._warn_once(f"staging:{op}", "hicache-draft: staging busy for %ss; pages failed",
+                                        self.settings.timeout_s)
+                        break
+                    stack.callback(st.lock.release)
+                else:
+                    try:
+                        self._run_chunk(op, jobs, start, start + chunk, out)
+                    except Exception as exc:  # never raise into SGLang's I/O threads
+                        self._warn_once(f"run:{op}:{type(exc).__name__}", "hicache-draft: page %s failed: %s: %s",
+                                        op, type(exc).__name__, exc)
+        return out
+
+    def _run_chunk(self, op: str, jobs: Sequence[_Job], lo: int, hi: int, out: list[list[bool]]) -> None:
+        transfers: list[PageTransfer] = []
+        plans: list[tuple[int, _Job, range, list[tuple[Buffer, torch.Tensor]] | None]] = []
+        for ji, job in enumerate(jobs):
+            idx = range(lo, min(hi, len(job.groups)))
+            if not idx:
+                continue
+            view = job.view
+            pages: list[Page] = []
+            staged: list[tuple[Buffer, torch.Tensor]] | None = [] if job.staged else None
+            offset = 0
+            for i in idx:
+                for part, ns in enumerate(view.namespaces):
+                    key = make_key(job.groups[i], ns)
+                    if staged is None:
+                        assert view.pool is not None and job.slots is not None
+                        bufs = view.pool.page_buffers(job.slots[i], part, view.split)
+                    else:
+                        assert view.staging is not None
+                        t = view.staging.chunk(offset, view.part_nbytes)
+                        offset += view.part_nbytes
+                        if op == "set":
+                            self._copy_out(job, i, part, t)
+                        b = Buffer(t.data_ptr(), t.numel(), owner=t)
+                        staged.append((b, t))
+                        bufs = (b,)
+                    pages.append(Page(key=key, group=job.groups[i], namespace=ns, buffers=bufs))
+            transfers.append(PageTransfer(pool=view.kind, pages=pages, zero_copy=staged is None))
+            plans.append((ji, job, idx, staged))
+        if not transfers:
+            return
+        abandoned = self.store.abandoned_calls
+        if op == "set":
+            results = self.store.page_set(transfers)
+        else:
+            results, _ = self.store.page_get(transfers)
+        for ji, job, idx, staged in plans:
+            got = results.get(job.view.kind, [])
+            split = job.view.split
+            for n, i in enumerate(idx):
+                parts = got[n * split : (n + 1) * split]
+                ok = len(parts) == split and all(r is PageResult.OK for r in parts)
+                if ok and op == "get" and staged is not None:
+                    for part in range(split):
+                        self._copy_in(job, i, part, staged[n * split + part][1])
+                out[ji][i] = ok
+        if self.store.abandoned_calls != abandoned:
+            for _, job, _, staged in plans:
+                if staged is not None and job.view.staging is not None:
+                    self._warn_once("staging:replaced", "hicache-draft: a backend call timed out; its staging "
+                                    "memory is left to it and replaced by unregistered memory")
+                    job.view.staging.replace()
+
+    @staticmethod
+    def _copy_out(job: _Job, i: int, part: int, dst: torch.Tensor) -> None:
+        view = job.view
+        if job.slots is not None:
+            assert view.pool is not None
+            view.pool.copy_page_out(job.slots[i], dst, part, view.split)
+        else:
+            assert job.flats is not None
+            view.one_page(job.flats[i]).copy_page_out(0, dst, part, view.split)
+
+    @staticmethod
+    def _copy_in(job: _Job, i: int, part: int, src: torch.Tensor) -> None:
+        view = job.view
+        if job.slots is not None:
+            assert view.pool is not None
+            view.pool.copy_page_in(job.slots[i], src, part, view.split)
+        else:
+            assert job.flats is not None
+            view.one_page(job.flats[i]).copy_page_in(0, src, part, view.split)
+
+    def _slot_job(self, view: PoolView | None, keys: Sequence[str], host_indices: Any) -> _Job | None:
+        """A job over host slots (page ``i`` starts at ``host_indices[i * page_size]``); None if unusable."""
+        if view is None or view.pool is None or host_indices is None:
+            return None
+        ps = view.spec.page_size
+        idx = host_indices.tolist() if isinstance(host_indices, torch.Tensor) else list(host_indices)
+        if len(idx) != len(keys) * ps:
+            self._warn_once(f"indices:{view.kind}", "hicache-draft: %s: %d host indices for %d pages of %d tokens",
+                            view.kind.value, len(idx), len(keys), ps)
+            return None
+        slots = [int(idx[i * ps]) for i in range(len(keys))]
+        for s in slots:
+            try:
+                view.pool.page_index(s)
+            except ValueError as exc:
+                self._warn_once(f"slot:{view.kind}", "hicache-draft: %s: %s", view.kind.value, exc)
+                return None
+        return _Job(view=view, groups=[page_group(k) for k in keys], slots=slots)
+
+    # -- zero-copy v1 (target pages by host index) -----------------------------------------------
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        job = self._slot_job(self._view(PoolKind.KV), keys, host_indices)
+        return self._run("set", [job])[0] if job else [False] * len(keys)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        job = self._slot_job(self._view(PoolKind.KV), keys, host_indices)
+        return self._run("get", [job])[0] if job else [False] * len(keys)
+
+    # -- v2 pool transfers (KV and DRAFT in one call) ---------------------------------------------
+    def _v2(self, op: str, transfers: list[Any]) -> dict[Any, list[bool]]:
+        out: dict[Any, list[bool]] = {}
+        jobs: list[_Job] = []
+        names: list[Any] = []
+        for t in transfers:
+            keys = list(t.keys or [])
+            out[t.name] = [False] * len(keys)
+            job = self._slot_job(self._view(_POOL_OF_NAME.get(str(t.name))), keys, t.host_indices)
+            if job is not None:
+                jobs.append(job)
+                names.append(t.name)
+        for name, res in zip(names, self._run(op, jobs), strict=True):
+            out[name] = res
+        return out
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        return self._v2("set", transfers)
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        return self._v2("get", transfers)
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None
+    ) -> Any:
+        """Longest stored target prefix, then each extra pool's rule; DRAFT (ALL_PAGES) shortens
+        the hit to the draft prefix; pools we do not hold give no hit."""
+        groups = [page_group(k) for k in keys]
+        queries: dict[PoolKind, list[str]] = {}
+        for kind in (PoolKind.KV, PoolKind.DRAFT):
+            view = self._view(kind)
+            if view is not None and (kind is PoolKind.KV or any(
+                _POOL_OF_NAME.get(str(t.name)) is kind for t in pool_transfers or []
+            )):
+                queries[kind] = [make_key(g, ns) for g in groups for ns in view.namespaces]
+        counts = self.store.page_exists(queries) if queries else {}
+
+        def pages(kind: PoolKind) -> int:
+            view = self._view(kind)
+            return counts.get(kind, 0) // view.split if view is not None else 0
+
+        kv_pages = pages(PoolKind.KV)
+        hit_count: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = list(range(1, kv_pages + 1))
+        for t in pool_transfers or []:
+            kind = _POOL_OF_NAME.get(str(t.name))
+            if str(getattr(t.hit_policy, "value", t.hit_policy)) == "block_groups":
+                continue  # such a pool reports its own verdict and never gates the KV hit
+            boundary = min(pages(kind), kv_pages) if kind is not None else 0
+            # Pages are written prefix-first, so the stored prefix answers TRAILING_PAGES too
+            # (conservatively: a window past the prefix is not reported).
+            allowed = set(range(1, boundary + 1))
+            if boundary:
+                hit_count[t.name] = boundary
+            restorable = [p for p in restorable if p in allowed]
+        final = restorable[-1] if restorable else 0
+        return PoolTransferResult(final, hit_count, restorable)
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """Leading stored pages (target pages; ``{hash}.draft`` keys ask the draft pool)."""
+        if not keys:
+            return 0
+        parsed = [split_generic_key(k) for k in keys]
+        kinds = {kind for kind, _ in parsed}
+        if len(kinds) != 1:
+            for i, k in enumerate(keys):
+                if not self.exists(k):
+                    return i
+            return len(keys)
+        kind = next(iter(kinds))
+        view = self._view(kind)
+        if view is None:
+            return 0
+        query = [make_key(g, ns) for _, g in parsed for ns in view.namespaces]
+        return self.store.page_exists({view.kind: query}).get(view.kind, 0) // view.split
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- SGLang's generic calls: flat data pages ------------------------------------------------
+    def _flat_jobs(
+        self, keys: Sequence[str], flats: Sequence[torch.Tensor | None]
+    ) -> tuple[list[_Job], list[list[int]]]:
+        """Group ``keys`` by pool into jobs over flat pages; also each job's positions in ``keys``."""
+        by_kind: dict[PoolKind, tuple[_Job, list[int]]] = {}
+        for pos, (key, flat) in enumerate(zip(keys, flats, strict=True)):
+            kind, group = split_generic_key(key)
+            view = self._view(kind)
+            if view is not None and view.staging is None:
+                with self._lock:
+                    if view.staging is None:  # zero-copy pool reached by generic calls: unregistered staging
+                        view.staging = Staging(view.spec.page_nbytes, self.settings.staging_pages, registered=False)
+            if view is None or flat is None:
+                self._warn_once(f"generic:{kind}", "hicache-draft: no usable pool for generic key %r", key)
+                continue
+            if flat.numel() * flat.element_size() != view.spec.page_nbytes:
+                self._warn_once(f"size:{kind}", "hicache-draft: flat %s page of %d bytes, expected %d",
+                                view.kind.value, flat.numel() * flat.element_size(), view.spec.page_nbytes)
+                continue
+            entry = by_kind.setdefault(view.kind, (_Job(view=view, groups=[], flats=[]), []))
+            entry[0].groups.append(group)
+            assert entry[0].flats is not None
+            entry[0].flats.append(flat)
+            entry[1].append(pos)
+        jobs = [j for j, _ in by_kind.values()]
+        return jobs, [p for _, p in by_kind.values()]
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Store flat data pages (``get_data_page(i, flat=True)``); True only if every page is stored."""
+        if values is None or len(values) != len(keys):
+            self._warn_once("batch_set:values", "hicache-draft: batch_set needs one flat page per key")
+            return False
+        jobs, positions = self._flat_jobs(keys, values)
+        results = [False] * len(keys)
+        for pos, res in zip(positions, self._run("set", jobs), strict=True):
+            for p, r in zip(pos, res, strict=True):
+                results[p] = r
+        return all(results)
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        """Load flat data pages into ``target_locations`` (allocated when absent); the filled
+        tensor per key, or None for a page that did not come back."""
+        targets: list[torch.Tensor | None] = []
+        for i, key in enumerate(keys):
+            given = target_locations[i] if target_locations is not None and i < len(target_locations) else None
+            if isinstance(given, torch.Tensor) and given.is_contiguous() and given.device.type == "cpu":
+                targets.append(given)
+                continue
+            view = self._view(split_generic_key(key)[0])
+            targets.append(
+                torch.empty(view.spec.page_nbytes // view.spec.itemsize, dtype=view.spec.dtype) if view else None
+            )
+        jobs, positions = self._flat_jobs(keys, targets)
+        got: list[torch.Tensor | None] = [None] * len(keys)
+        for pos, res in zip(positions, self._run("get", jobs), strict=True):
+            for p, r in zip(pos, res, strict=True):
+                if r:
+                    got[p] = targets[p]
+        return got
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Stored pages outlive the server on purpose; SGLang's clear does not delete them."""
+        log.info("hicache-draft: clear() leaves stored pages in place (delete them through the backend)")
+
+    def get_stats(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.store.close()

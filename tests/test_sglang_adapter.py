@@ -1,0 +1,600 @@
+"""Contract tests of the SGLang adapter against the real SGLang package (pinned 0.5.23, --no-deps).
+
+SGLang's storage module is imported without running ``sglang/__init__.py``; the adapter is built
+through SGLang's own ``StorageBackendFactory`` dynamic path, and host pools are doubles shaped like
+SGLang's (``hicache_draft.integrations.sglang_doubles``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import secrets
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache_draft import Attention, Capabilities, PoolCapability, PoolKind, hookimpl, make_key, page_hashes
+from hicache_draft.errors import ConfigError, UnknownBackendError
+from hicache_draft.integrations.sglang_config import DOCUMENTED_EXTRA_CONFIG
+from hicache_draft.integrations.sglang_doubles import MHAHostPoolDouble, MLAHostPoolDouble
+from hicache_draft.integrations.sglang_loader import (
+    TESTED_SGLANG_VERSION,
+    load_backend_factory,
+    load_storage_module,
+    sglang_version,
+)
+from hicache_draft.plugins import register_backend, unregister_backend
+from hicache_draft.testing import MemoryBackend
+from hicache_draft.testing.memory import Faults
+
+sg = load_storage_module()
+Factory = load_backend_factory()
+PoolName, PoolTransfer, PoolHitPolicy = sg.PoolName, sg.PoolTransfer, sg.PoolHitPolicy
+
+from hicache_draft.integrations import sglang as adapter_mod  # noqa: E402  (after the bootstrap, on purpose)
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+PS = 4
+NUM_PAGES = 12
+MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+class GenericOnly(MemoryBackend):
+    """Declares no zero-copy layout: every page goes through staging. Records each call's shape."""
+
+    capabilities = Capabilities(
+        pools={k: PoolCapability(attention=frozenset(Attention), generic=True) for k in PoolKind}, persistent=True
+    )
+    seen: list[tuple[str, PoolKind, bool, int]] = []
+
+    @hookimpl
+    def page_set(self, transfers):
+        GenericOnly.seen += [("set", t.pool, t.zero_copy, len(t.pages)) for t in transfers]
+        return super().page_set(transfers)
+
+
+class TargetOnly(MemoryBackend):
+    """Holds no draft pool."""
+
+    capabilities = Capabilities(
+        pools={PoolKind.KV: MemoryBackend.capabilities.pools[PoolKind.KV]}, persistent=True
+    )
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", raising=False)
+    monkeypatch.delenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", raising=False)
+    MemoryBackend.reset()
+    GenericOnly.seen = []
+    for name, cls in (("memory", MemoryBackend), ("generic-only", GenericOnly), ("target-only", TargetOnly)):
+        register_backend(name, cls)
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+    for name in ("memory", "generic-only", "target-only"):
+        unregister_backend(name)
+    MemoryBackend.reset()
+
+
+BACKENDS = ["memory", "generic-only", "file", "mooncake"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """(backend name, options): each adapter built from them sees the same storage.
+
+    ``mooncake`` runs against a real store (master + segment holder on 127.0.0.1) started by the
+    ``mooncake_service`` fixture of hicache-draft-mooncake; keys are isolated per test by a prefix.
+    """
+    if request.param == "file":
+        return "file", {"root": str(request.getfixturevalue("tmp_path") / "kv")}
+    if request.param == "mooncake":
+        options = request.getfixturevalue("mooncake_service").backend_options()
+        return "mooncake", {**options, "key_prefix": f"sgl-{secrets.token_hex(4)}-"}
+    return request.param, {"space": secrets.token_hex(4)}
+
+
+def extra_config(backend_name, options, **ours):
+    return {
+        "backend_name": "hicache_draft",
+        "module_path": "hicache_draft.integrations.sglang",
+        "class_name": "HiCacheDraftStorage",
+        "interface_v1": True,
+        "hicache_draft": {"backend": backend_name, "backend_options": options, **ours},
+    }
+
+
+def storage_config(extra, *, mla=False, tp_rank=0, tp_size=1, tp_lcm_size=None, split=False, model=MODEL):
+    return sg.HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True, model_name=model,
+        tp_lcm_size=tp_lcm_size, should_split_heads=split, extra_config=extra,
+    )
+
+
+_OPEN: list = []
+
+
+def build(extra, **kw):
+    """The adapter as SGLang builds it (closed when the test ends)."""
+    adapter = Factory.create_backend("dynamic", storage_config(extra, **kw), None)
+    _OPEN.append(adapter)
+    return adapter
+
+
+def mha(layout="page_first", layers=2, heads=2, seed=None):
+    pool = MHAHostPoolDouble(layer_num=layers, head_num=heads, head_dim=8, page_size=PS, num_pages=NUM_PAGES,
+                             layout=layout, dtype=torch.bfloat16)
+    if seed is not None:
+        pool.fill_random(torch.Generator().manual_seed(seed))
+    return pool
+
+
+def mla(layout="page_first", layers=2, seed=None):
+    pool = MLAHostPoolDouble(layer_num=layers, kv_lora_rank=12, qk_rope_head_dim=4, page_size=PS,
+                             num_pages=NUM_PAGES, layout=layout, dtype=torch.bfloat16)
+    if seed is not None:
+        pool.fill_random(torch.Generator().manual_seed(seed))
+    return pool
+
+
+def attach(adapter, kv, draft=None):
+    adapter.register_mem_pool_host(kv)
+    adapter.register_mem_host_pool_v2(kv, PoolName.KV)
+    if draft is not None:
+        adapter.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+    adapter.on_host_pools_registered()
+    return adapter
+
+
+def hashes(n, salt=0):
+    return page_hashes([salt * 100_000 + t for t in range(n * PS)], PS)
+
+
+def indices(slots):
+    return torch.cat([torch.arange(s, s + PS) for s in slots]) if slots else torch.zeros(0, dtype=torch.int64)
+
+
+def draft_transfer(keys, slots, policy=None):
+    kw = {"hit_policy": policy} if policy is not None else {}
+    return PoolTransfer(name=PoolName.DRAFT, host_indices=indices(slots) if slots is not None else None,
+                        keys=keys, **kw)
+
+
+# -- the SGLang contract ----------------------------------------------------------------------------
+
+
+def test_pinned_sglang_and_no_package_init():
+    assert sglang_version() == TESTED_SGLANG_VERSION
+    assert "sglang.srt.utils" not in sys.modules  # sglang/__init__.py did not run
+
+
+def test_adapter_is_a_concrete_hicache_storage_with_sglang_signatures():
+    cls = adapter_mod.HiCacheDraftStorage
+    assert issubclass(cls, sg.HiCacheStorage)
+    assert not inspect.isabstract(cls)
+    for name in ("get", "set", "batch_get", "batch_set", "exists", "batch_exists", "batch_get_v1", "batch_set_v1",
+                 "batch_exists_v2", "batch_get_v2", "batch_set_v2", "register_mem_pool_host",
+                 "register_mem_host_pool_v2", "on_host_pools_registered", "clear", "get_stats"):
+        ours = list(inspect.signature(getattr(cls, name)).parameters)
+        theirs = list(inspect.signature(getattr(sg.HiCacheStorage, name)).parameters)
+        assert ours == theirs, name
+    assert list(inspect.signature(cls.__init__).parameters) == ["self", "storage_config", "kwargs"]
+
+
+def test_factory_builds_adapter_from_documented_extra_config(tmp_path):
+    """The extra-config JSON documented in the README, as SGLang's factory receives it."""
+    text = DOCUMENTED_EXTRA_CONFIG.replace("/mnt/kv-cache", str(tmp_path / "kv"))
+    extra = json.loads(text)
+    adapter = Factory.create_backend("dynamic", storage_config(extra), None)
+    _OPEN.append(adapter)
+    assert isinstance(adapter, adapter_mod.HiCacheDraftStorage)
+    assert (adapter.store.name, adapter.interface_v1) == ("file", True)
+    assert adapter.placement.draft_model == "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B"
+    kv, dr = mha(seed=1), mha(layers=1, seed=2)
+    attach(adapter, kv, dr)
+    keys = hashes(2, salt=20)
+    assert adapter.batch_set_v1(keys, indices([0, 4])) == [True, True]
+    assert adapter.batch_set_v2([draft_transfer(keys, [0, 4])]) == {PoolName.DRAFT: [True, True]}
+    assert adapter.batch_exists_v2(keys, [draft_transfer(None, None)]).kv_hit_pages == 2
+
+
+def test_factory_builds_adapter_on_every_backend(backend):
+    adapter = build(extra_config(*backend))
+    assert isinstance(adapter, adapter_mod.HiCacheDraftStorage)
+    assert adapter.store.name == backend[0]
+
+
+def test_factory_dynamic_path_still_demands_its_fields():
+    extra = extra_config("memory", {})
+    del extra["module_path"]
+    with pytest.raises(ValueError, match="module_path"):
+        build(extra)
+
+
+def test_core_imports_without_sglang():
+    code = (
+        "import sys, hicache_draft, hicache_draft.integrations.sglang_config, "
+        "hicache_draft.integrations.sglang_pools, hicache_draft.integrations.sglang_doubles; "
+        "assert not any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules), 'sglang imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_missing_sglang_is_a_clear_error(monkeypatch):
+    from hicache_draft.integrations import sglang_loader
+
+    monkeypatch.delitem(sys.modules, "sglang")
+    monkeypatch.setattr(sglang_loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(sglang_loader.SGLangMissingError, match="pip install --no-deps sglang=="):
+        sglang_loader.ensure_sglang_package()
+
+
+# -- round trips --------------------------------------------------------------------------------------
+
+POOL_CASES = (
+    [("mha", lay, "mha") for lay in MHA_LAYOUTS]
+    + [("mla", lay, "mla") for lay in MLA_LAYOUTS]
+    + [("mla", "page_first", "mha")]  # an MHA EAGLE draft on an MLA target
+)
+
+
+def make(attention, layout, layers, seed):
+    return mha(layout, layers=layers, seed=seed) if attention == "mha" else mla(layout, layers=layers, seed=seed)
+
+
+@pytest.mark.parametrize(("target", "layout", "draft"), POOL_CASES)
+def test_target_and_draft_round_trip_byte_exact(backend, target, layout, draft):
+    extra = extra_config(*backend)
+    is_mla = target == "mla"
+    kv, dr = make(target, layout, 3, 1), make(draft, layout if draft == target else "page_first", 1, 2)
+    writer = attach(build(extra, mla=is_mla), kv, dr)
+    keys = hashes(5)
+    src = [0, 8, 12, 24, 40]
+    assert writer.batch_set_v1(keys[:3], indices(src[:3])) == [True] * 3
+    res = writer.batch_set_v2([
+        PoolTransfer(name=PoolName.KV, host_indices=indices(src[3:]), keys=keys[3:]),
+        draft_transfer(keys, src),
+    ])
+    assert res == {PoolName.KV: [True, True], PoolName.DRAFT: [True] * 5}
+    writer.close()
+
+    kv2, dr2 = make(target, layout, 3, None), make(draft, layout if draft == target else "page_first", 1, None)
+    reader = attach(build(extra, mla=is_mla), kv2, dr2)
+    assert reader.batch_exists(keys) == 5
+    hit = reader.batch_exists_v2(keys, [draft_transfer(None, None)])
+    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (5, {PoolName.KV: 5, PoolName.DRAFT: 5})
+    dst = [44, 4, 16, 20, 32]
+    assert reader.batch_get_v1(keys, indices(dst)) == [True] * 5
+    assert reader.batch_get_v2([draft_transfer(keys, dst)]) == {PoolName.DRAFT: [True] * 5}
+    for s, d in zip(src, dst, strict=True):
+        assert kv2.page_bytes(d) == kv.page_bytes(s)
+        assert dr2.page_bytes(d) == dr.page_bytes(s)
+    reader.close()
+    if backend[0] == "generic-only":
+        assert GenericOnly.seen and not any(zc for _, _, zc, _ in GenericOnly.seen)
+
+
+def test_v2_sends_target_and_draft_in_one_backend_call():
+    adapter = attach(build(extra_config("memory", {})), mha(seed=1), mha(layers=1, seed=2))
+    keys = hashes(3)
+    MemoryBackend.calls.clear()
+    adapter.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=indices([0, 4, 8]), keys=keys),
+                          draft_transfer(keys, [0, 4, 8])])
+    assert MemoryBackend.calls == [("page_set", {PoolKind.KV: 3, PoolKind.DRAFT: 3})]
+
+
+def test_generic_path_chunks_through_small_staging():
+    extra = extra_config("generic-only", {"space": secrets.token_hex(4)}, staging_pages=2)
+    kv = mha("layer_first", seed=5)
+    writer = attach(build(extra), kv, mha("layer_first", layers=1, seed=6))
+    keys = hashes(5, salt=1)
+    src = [0, 4, 8, 12, 16]
+    assert writer.batch_set_v1(keys, indices(src)) == [True] * 5
+    assert GenericOnly.seen == [("set", PoolKind.KV, False, 2)] * 2 + [("set", PoolKind.KV, False, 1)]
+    kv2 = mha("layer_first")
+    reader = attach(build(extra), kv2, mha("layer_first", layers=1))
+    assert reader.batch_get_v1(keys, indices(src)) == [True] * 5
+    assert all(kv2.page_bytes(s) == kv.page_bytes(s) for s in src)
+
+
+# -- hit rules ------------------------------------------------------------------------------------------
+
+
+def store_pages(adapter, keys, kv_pages, draft_pages):
+    """Write target pages ``kv_pages`` and draft pages ``draft_pages`` (indices into ``keys``)."""
+    for i in kv_pages:
+        assert adapter.batch_set_v1([keys[i]], indices([4 * (i % NUM_PAGES)])) == [True]
+    for i in draft_pages:
+        assert adapter.batch_set_v2([draft_transfer([keys[i]], [4 * (i % NUM_PAGES)])]) == {PoolName.DRAFT: [True]}
+
+
+def test_batch_exists_v2_missing_draft_page_shortens_the_hit(backend):
+    adapter = attach(build(extra_config(*backend)), mha(seed=1), mha(layers=1, seed=2))
+    keys = hashes(6, salt=2)
+    store_pages(adapter, keys, range(6), [0, 1, 2, 4, 5])  # draft page 3 missing
+    hit = adapter.batch_exists_v2(keys, [draft_transfer(None, None)])
+    assert hit.kv_hit_pages == 3
+    assert hit.extra_pool_hit_pages == {PoolName.KV: 6, PoolName.DRAFT: 3}
+    assert hit.restorable_prefix_pages == [1, 2, 3]
+    assert adapter.batch_exists(keys) == 6  # no sidecar asked: the target prefix alone
+    plain = adapter.batch_exists_v2(keys, None)
+    assert (plain.kv_hit_pages, plain.extra_pool_hit_pages) == (6, {PoolName.KV: 6})
+
+
+def test_batch_exists_v2_pools_we_do_not_hold_give_no_hit(backend):
+    adapter = attach(build(extra_config(*backend)), mha(seed=1), mha(layers=1, seed=2))
+    keys = hashes(3, salt=3)
+    store_pages(adapter, keys, range(3), range(3))
+    mamba = PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    hit = adapter.batch_exists_v2(keys, [draft_transfer(None, None), mamba])
+    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (0, {PoolName.KV: 3, PoolName.DRAFT: 3})
+    assert adapter.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=indices([0]), keys=keys[:1])]) == {
+        PoolName.MAMBA: [False]}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kv=st.sets(st.integers(0, 7)), draft=st.sets(st.integers(0, 7)))
+def test_hit_is_min_of_leading_target_and_draft_prefixes(kv, draft):
+    adapter = attach(build(extra_config("memory", {"space": secrets.token_hex(4)})), mha(seed=1),
+                     mha(layers=1, seed=2))
+    keys = hashes(8, salt=4)
+    store_pages(adapter, keys, sorted(kv), sorted(draft))
+
+    def lead(s):
+        return next(i for i in range(9) if i not in s)
+
+    hit = adapter.batch_exists_v2(keys, [draft_transfer(None, None)])
+    assert hit.kv_hit_pages == min(lead(kv), lead(draft))
+    assert hit.extra_pool_hit_pages.get(PoolName.KV, 0) == lead(kv)
+    assert hit.extra_pool_hit_pages.get(PoolName.DRAFT, 0) == min(lead(kv), lead(draft))
+    assert adapter.batch_exists(keys) == lead(kv)
+    adapter.close()
+
+
+def test_backend_without_draft_pool_reports_no_draft_hit_and_keeps_target():
+    extra = extra_config("target-only", {"space": secrets.token_hex(4)})
+    adapter = attach(build(extra), mha(seed=1), mha(layers=1, seed=2))
+    keys = hashes(2, salt=5)
+    assert adapter.batch_set_v1(keys, indices([0, 4])) == [True, True]
+    assert adapter.batch_set_v2([draft_transfer(keys, [0, 4])]) == {PoolName.DRAFT: [False, False]}
+    assert adapter.batch_exists(keys) == 2
+    assert adapter.batch_exists_v2(keys, [draft_transfer(None, None)]).kv_hit_pages == 0
+
+
+# -- SGLang's generic calls ({hash} and {hash}.draft keys) ------------------------------------------------
+
+
+def test_generic_draft_keys_with_unregistered_draft_pool(backend):
+    """SGLang 0.5.15-0.5.18: draft pages arrive as flat pages under "{hash}.draft", pool never registered."""
+    extra = extra_config(*backend, legacy_draft_pool={"attention": "mha", "layers": 1, "kv_heads": 2,
+                                                       "head_dim": 8})
+    extra["interface_v1"] = False
+    kv, dr = mha("page_first_direct", seed=7), mha("page_first_direct", layers=1, seed=8)
+    writer = build(extra)
+    writer.register_mem_pool_host(kv)
+    keys = hashes(3, salt=6)
+    slots = [0, 8, 16]
+    assert writer.batch_set(keys, [kv.get_data_page(s) for s in slots]) is True
+    assert writer.batch_set([f"{k}.draft" for k in keys], [dr.get_data_page(s) for s in slots]) is True
+    assert writer.exists(f"{keys[0]}.draft") and writer.exists(keys[2])
+    assert writer.batch_exists([f"{k}.draft" for k in keys]) == 3
+
+    reader = build(extra)
+    reader.register_mem_pool_host(mha("page_first_direct"))
+    dr2 = mha("page_first_direct", layers=1)
+    got = reader.batch_get([f"{k}.draft" for k in keys] + [f"{hashes(1, salt=99)[0]}.draft"],
+                           [dr2.get_dummy_flat_data_page() for _ in range(4)])
+    assert got[3] is None
+    for s, page in zip(slots, got[:3], strict=True):
+        dr2.set_from_flat_data_page(s, page)
+        assert dr2.page_bytes(s) == dr.page_bytes(s)
+    one = reader.get(keys[1], mha("page_first_direct").get_dummy_flat_data_page())
+    assert one is not None and one.view(torch.uint8).numpy().tobytes() == kv.page_bytes(8)
+
+
+def test_generic_and_v2_draft_pages_are_the_same_pages(backend):
+    """A draft page written by batch_set_v2 reads back through "{hash}.draft", and the reverse."""
+    extra = extra_config(*backend)
+    dr = mha(layers=1, seed=9)
+    a = attach(build(extra), mha(seed=1), dr)
+    keys = hashes(4, salt=7)
+    assert a.batch_set_v2([draft_transfer(keys[:2], [0, 4])]) == {PoolName.DRAFT: [True, True]}
+    assert a.batch_set([f"{k}.draft" for k in keys[2:]], [dr.get_data_page(s) for s in (8, 12)]) is True
+    dr2 = mha(layers=1)
+    b = attach(build(extra), mha(), dr2)
+    got = b.batch_get([f"{k}.draft" for k in keys[:2]], [dr2.get_dummy_flat_data_page() for _ in range(2)])
+    assert [g.view(torch.uint8).numpy().tobytes() for g in got] == [dr.page_bytes(0), dr.page_bytes(4)]
+    assert b.batch_get_v2([draft_transfer(keys[2:], [24, 28])]) == {PoolName.DRAFT: [True, True]}
+    assert (dr2.page_bytes(24), dr2.page_bytes(28)) == (dr.page_bytes(8), dr.page_bytes(12))
+
+
+def test_generic_calls_refuse_bad_input_without_raising(backend):
+    adapter = attach(build(extra_config(*backend)), mha(seed=1), mha(layers=1, seed=2))
+    key = hashes(1, salt=8)[0]
+    assert adapter.set(key, torch.zeros(3, dtype=torch.bfloat16)) is False  # wrong page size
+    assert adapter.batch_set([key, key], [mha().get_dummy_flat_data_page()]) is False  # one value for two keys
+    assert adapter.set(f"{key}.mamba", mha().get_dummy_flat_data_page()) is False  # a pool we do not hold
+    assert adapter.get(f"{key}.mamba") is None
+    assert adapter.batch_get_v1(hashes(2), indices([0])) == [False, False]  # indices do not match the keys
+    assert adapter.batch_set_v1([key], torch.arange(1, 1 + PS)) == [False]  # not the first slot of a page
+
+
+# -- parallelism ---------------------------------------------------------------------------------------
+
+
+def test_split_heads_share_pages_between_tp_sizes():
+    """tp_size=2 (tp_lcm_size=4) writes head groups that tp_size=4 ranks read head for head."""
+    space = secrets.token_hex(4)
+    extra = extra_config("memory", {"space": space})
+    keys = hashes(2, salt=9)
+    writer_pool = mha("page_head", heads=4, seed=11)  # rank 1 of 2: global heads 4..7
+    writer = attach(build(extra, tp_rank=1, tp_size=2, tp_lcm_size=4, split=True), writer_pool)
+    assert writer.batch_set_v1(keys, indices([0, 4])) == [True, True]
+    for rank, heads in ((2, slice(0, 2)), (3, slice(2, 4))):  # ranks 2, 3 of 4 hold global heads 4..5, 6..7
+        pool = mha("page_head", heads=2)
+        # SGLang sets should_split_heads only when tp_lcm_size > tp_size.
+        reader = attach(build(extra, tp_rank=rank, tp_size=4, tp_lcm_size=4, split=False), pool)
+        assert reader.batch_get_v1(keys, indices([8, 12])) == [True, True]
+        for src, dst in ((0, 2), (1, 3)):
+            got = pool.kv_buffer[:, dst].contiguous().view(torch.uint8)
+            want = writer_pool.kv_buffer[:, src, heads].contiguous().view(torch.uint8)
+            assert torch.equal(got, want)
+    other = attach(build(extra, tp_rank=0, tp_size=4, tp_lcm_size=4), mha("page_head", heads=2))
+    assert other.batch_exists(keys) == 0  # global heads 0..1 were never written
+
+
+def test_ranks_of_an_mha_pool_do_not_share_pages_but_mla_ranks_do():
+    extra = extra_config("memory", {"space": secrets.token_hex(4)})
+    keys = hashes(1, salt=10)
+    w = attach(build(extra, tp_rank=0, tp_size=2), mha(seed=1))
+    assert w.batch_set_v1(keys, indices([0])) == [True]
+    assert attach(build(extra, tp_rank=1, tp_size=2), mha()).batch_exists(keys) == 0
+    w = attach(build(extra, mla=True, tp_rank=0, tp_size=2), mla(seed=1))
+    assert w.batch_set_v1(keys, indices([0])) == [True]
+    assert attach(build(extra, mla=True, tp_rank=1, tp_size=2), mla()).batch_exists(keys) == 1
+
+
+# -- failures ------------------------------------------------------------------------------------------
+
+
+def test_a_failing_backend_gives_false_and_misses_not_exceptions():
+    adapter = attach(build(extra_config("memory", {"space": secrets.token_hex(4)})), mha(seed=1),
+                     mha(layers=1, seed=2))
+    keys = hashes(2, salt=11)
+    MemoryBackend.faults = Faults(raise_on={"page_set", "page_get", "page_exists"})
+    assert adapter.batch_set_v1(keys, indices([0, 4])) == [False, False]
+    assert adapter.batch_set_v2([draft_transfer(keys, [0, 4])]) == {PoolName.DRAFT: [False, False]}
+    assert adapter.batch_get_v1(keys, indices([0, 4])) == [False, False]
+    assert adapter.batch_exists(keys) == 0
+    assert adapter.batch_exists_v2(keys, [draft_transfer(None, None)]).kv_hit_pages == 0
+    assert adapter.batch_set(keys, [mha().get_dummy_flat_data_page()] * 2) is False
+    assert adapter.batch_get(keys) == [None, None]
+
+
+def test_a_hung_backend_call_is_bounded_and_its_staging_is_abandoned():
+    extra = extra_config("generic-only", {"space": secrets.token_hex(4)}, timeout_s=0.2)
+    adapter = attach(build(extra), mha(seed=1))
+    keys = hashes(1, salt=12)
+    MemoryBackend.faults = Faults(delay_s={"page_get": 1.0})
+    assert adapter.batch_get_v1(keys, indices([0])) == [False]
+    staging = adapter.views[PoolKind.KV].staging
+    assert staging is not None and staging.registered is False
+    MemoryBackend.faults = Faults()
+    assert adapter.batch_set_v1(keys, indices([0])) == [True]  # the fresh staging works
+
+
+def test_a_corrupt_page_is_a_miss_and_leaves_the_host_page_alone():
+    extra = extra_config("generic-only", {"space": secrets.token_hex(4)})
+    adapter = attach(build(extra), mha(seed=1))
+    keys = hashes(2, salt=13)
+    assert adapter.batch_set_v1(keys, indices([0, 4])) == [True, True]
+    bad = make_key(keys[1], adapter.views[PoolKind.KV].namespaces[0])
+    MemoryBackend.faults = Faults(corrupt_get_keys={bad})
+    pool = mha()
+    before = pool.page_bytes(8)
+    assert attach(build(extra), pool).batch_get_v1(keys, indices([4, 8])) == [True, False]
+    assert pool.page_bytes(8) == before
+
+
+# -- configuration -------------------------------------------------------------------------------------
+
+
+def test_model_identity_is_required_and_named():
+    with pytest.raises(ConfigError, match=r"hicache_draft\.model") as err:
+        build(extra_config("memory", {}), model=None)
+    assert err.value.field == "hicache_draft.model"
+    assert build(extra_config("memory", {}, model="my-model@rev1"), model=None).placement.model == "my-model@rev1"
+
+
+def test_draft_model_defaults_and_changes_draft_keys_only():
+    space = secrets.token_hex(4)
+    keys = hashes(1, salt=14)
+    a = attach(build(extra_config("memory", {"space": space})), mha(seed=1), mha(layers=1, seed=2))
+    assert a.placement.draft_model == MODEL + "#draft"
+    store_pages(a, keys, [0], [0])
+    b = attach(build(extra_config("memory", {"space": space}, draft_model="eagle3-other")), mha(), mha(layers=1))
+    hit = b.batch_exists_v2(keys, [draft_transfer(None, None)])
+    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (0, {PoolName.KV: 1})
+
+
+@pytest.mark.parametrize(("section", "field"), [
+    ({"bogus": 1}, "hicache_draft.bogus"),
+    ({"timeout_s": 0}, "hicache_draft.timeout_s"),
+    ({"legacy_draft_pool": {"attention": "mla"}}, "hicache_draft.legacy_draft_pool"),
+])
+def test_bad_extra_config_names_the_field(section, field):
+    extra = extra_config("memory", {})
+    extra["hicache_draft"] = {k: v for k, v in extra["hicache_draft"].items() if k not in section} | section
+    with pytest.raises(ConfigError) as err:
+        build(extra)
+    assert err.value.field == field and field in str(err.value)
+
+
+def test_bad_section_type_unknown_backend_and_bad_options():
+    extra = extra_config("memory", {})
+    extra["hicache_draft"] = "file"
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        build(extra)
+    with pytest.raises(UnknownBackendError, match="no-such-backend"):
+        build(extra_config("no-such-backend", {}))
+    with pytest.raises(ConfigError, match=r"backend_options\.colour"):
+        build(extra_config("memory", {"colour": "red"}))
+
+
+def test_unsupported_parallelism_is_refused_by_name():
+    with pytest.raises(ConfigError, match="tp_lcm_size"):
+        build(extra_config("memory", {}), tp_size=4, tp_rank=0, tp_lcm_size=6, split=True)
+    with pytest.raises(ConfigError, match="page_unified"):
+        pool = mha()
+        pool.layout = "page_unified"
+        build(extra_config("memory", {})).register_mem_pool_host(pool)
+
+
+WRITER = """
+import json, sys, torch
+from hicache_draft.integrations.sglang_loader import load_backend_factory, load_storage_module
+from hicache_draft.integrations.sglang_doubles import MHAHostPoolDouble
+from hicache_draft import page_hashes
+sg = load_storage_module()
+extra = json.loads(sys.argv[1])
+cfg = sg.HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+    is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True, model_name=sys.argv[2],
+    extra_config=extra)
+a = load_backend_factory().create_backend("dynamic", cfg, None)
+kv = MHAHostPoolDouble(layer_num=3, head_num=2, head_dim=8, page_size=4, num_pages=12)
+dr = MHAHostPoolDouble(layer_num=1, head_num=2, head_dim=8, page_size=4, num_pages=12)
+kv.fill_random(torch.Generator().manual_seed(31)); dr.fill_random(torch.Generator().manual_seed(32))
+a.register_mem_pool_host(kv); a.register_mem_host_pool_v2(dr, sg.PoolName.DRAFT); a.on_host_pools_registered()
+keys = page_hashes(list(range(300_000, 300_000 + 16)), 4)
+idx = torch.arange(0, 16)
+ok = a.batch_set_v1(keys, idx) + a.batch_set_v2([sg.PoolTransfer(name=sg.PoolName.DRAFT, host_indices=idx,
+                                                                   keys=keys)])[sg.PoolName.DRAFT]
+a.close()
+sys.exit(0 if all(ok) else 3)
+"""
+
+
+def test_pages_written_by_another_process_come_back_after_restart(tmp_path):
+    """A server process writes target and draft pages and exits; a new one restores both (file backend)."""
+    extra = extra_config("file", {"root": str(tmp_path / "kv")})
+    subprocess.run([sys.executable, "-c", WRITER, json.dumps(extra), MODEL], check=True, timeout=120)
+    kv, dr = mha(layers=3), mha(layers=1)
+    reader = attach(build(extra), kv, dr)
+    keys = page_hashes(list(range(300_000, 300_000 + 16)), PS)
+    hit = reader.batch_exists_v2(keys, [draft_transfer(None, None)])
+    assert hit.kv_hit_pages == 4
+    dst = [20, 24, 28, 32]
+    assert reader.batch_get_v1(keys, indices(dst)) == [True] * 4
+    assert reader.batch_get_v2([draft_transfer(keys, dst)]) == {PoolName.DRAFT: [True] * 4}
+    want_kv, want_dr = mha(layers=3, seed=31), mha(layers=1, seed=32)
+    for i, d in enumerate(dst):
+        assert kv.page_bytes(d) == want_kv.page_bytes(4 * i)
+        assert dr.page_bytes(d) == want_dr.page_bytes(4 * i)

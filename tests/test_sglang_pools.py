@@ -1,0 +1,188 @@
+"""Our view of SGLang host pools agrees with SGLang's own pointer and flat-page rules.
+
+The doubles (``hicache_draft.integrations.sglang_doubles``) implement SGLang 0.5.23's shapes and
+``get_page_buffer_meta`` formulas independently of ``hicache_draft.pools``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_draft import Attention, Capabilities, IOPath, Layout, PoolCapability, PoolKind
+from hicache_draft.config import ParallelConfig
+from hicache_draft.errors import ConfigError
+from hicache_draft.integrations.sglang_config import Placement
+from hicache_draft.integrations.sglang_doubles import MHA_LAYOUTS, MLA_LAYOUTS, MHAHostPoolDouble, MLAHostPoolDouble
+from hicache_draft.integrations.sglang_pools import host_pool_spec, namespaces, pool_path, split_factor
+from hicache_draft.pools import HostPool
+
+CASES = [("mha", lay) for lay in MHA_LAYOUTS] + [("mla", lay) for lay in MLA_LAYOUTS]
+
+
+def make_pool(attention: str, layout: str, *, layers: int = 3, page_size: int = 4, num_pages: int = 6,
+              dtype: torch.dtype = torch.bfloat16, heads: int = 2, seed: int = 0):
+    if attention == "mha":
+        pool = MHAHostPoolDouble(layer_num=layers, head_num=heads, head_dim=8, page_size=page_size,
+                                 num_pages=num_pages, layout=layout, dtype=dtype)
+    else:
+        pool = MLAHostPoolDouble(layer_num=layers, kv_lora_rank=12, qk_rope_head_dim=4, page_size=page_size,
+                                 num_pages=num_pages, layout=layout, dtype=dtype)
+    pool.fill_random(torch.Generator().manual_seed(seed))
+    return pool
+
+
+def ours(pool, kind=PoolKind.KV) -> HostPool:
+    return HostPool.wrap(host_pool_spec(pool, kind), pool.kv_buffer)
+
+
+@pytest.mark.parametrize(("attention", "layout"), CASES)
+def test_page_buffers_point_where_sglang_meta_points(attention, layout):
+    pool = make_pool(attention, layout)
+    view = ours(pool)
+    slots = [0, 8, 20]
+    indices = torch.cat([torch.arange(s, s + pool.page_size) for s in slots])
+    sg_ptrs, sg_sizes = pool.get_page_buffer_meta(indices)
+    our_ptrs, our_sizes = view.page_buffer_meta(slots)
+    per_page = len(sg_ptrs) // len(slots)
+    for n in range(len(slots)):
+        sg = list(zip(sg_ptrs[n * per_page:(n + 1) * per_page], sg_sizes[n * per_page:(n + 1) * per_page], strict=True))
+        us = list(zip(our_ptrs[n * per_page:(n + 1) * per_page], our_sizes[n * per_page:(n + 1) * per_page],
+                      strict=True))
+        if attention == "mha" and layout == "layer_first":
+            # Same regions; SGLang interleaves K/V per layer, we list K layers then V layers
+            # (the order of SGLang's flat data page).
+            assert sorted(us) == sorted(sg)
+            assert us == sg[0::2] + sg[1::2]
+        else:
+            assert us == sg
+
+
+@pytest.mark.parametrize(("attention", "layout"), CASES)
+def test_concatenated_page_buffers_are_sglang_flat_page(attention, layout):
+    pool = make_pool(attention, layout, seed=3)
+    view = ours(pool)
+    for slot in (0, 4, 20):
+        joined = b"".join(bytes(b.view()) for b in view.page_buffers(slot))
+        assert joined == pool.page_bytes(slot)
+        assert view.page_bytes(slot) == pool.page_bytes(slot)
+
+
+def test_split_head_parts_point_where_sglang_split_meta_points():
+    pool = make_pool("mha", "page_head", heads=4)
+    view = ours(pool)
+    indices = torch.arange(8, 16)
+    sg_ptrs, sg_sizes = pool.get_split_heads_page_buffer_meta(indices, 2)
+    our_ptrs, our_sizes = view.page_buffer_meta([8, 12], split=2)
+    assert our_ptrs == sg_ptrs
+    assert our_sizes == sg_sizes
+
+
+def test_spec_reads_sglang_attributes():
+    mha = host_pool_spec(make_pool("mha", "page_first_direct", layers=5, page_size=4, heads=2), PoolKind.DRAFT)
+    assert (mha.kind, mha.attention, mha.layers, mha.kv_heads, mha.head_dim, mha.layout) == (
+        PoolKind.DRAFT, Attention.MHA, 5, 2, 8, Layout.PAGE_FIRST_DIRECT)
+    mla = host_pool_spec(make_pool("mla", "layer_first", layers=2), PoolKind.KV)
+    assert (mla.attention, mla.latent_dim, mla.layers, mla.dtype) == (Attention.MLA, 16, 2, torch.bfloat16)
+
+
+def test_spec_refuses_what_it_cannot_hold():
+    pool = make_pool("mha", "page_first")
+    pool.layout = "page_unified"
+    with pytest.raises(ConfigError, match="page_unified"):
+        host_pool_spec(pool, PoolKind.KV)
+    pool = make_pool("mha", "page_first")
+    pool.v_head_dim = 4
+    with pytest.raises(ConfigError, match="v_head_dim"):
+        host_pool_spec(pool, PoolKind.KV)
+    pool = make_pool("mla", "page_first")
+    pool.dcp_size = 2
+    with pytest.raises(ConfigError, match="dcp_size"):
+        host_pool_spec(pool, PoolKind.KV)
+
+
+def _placement(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, lcm=None, model="m", draft="m#draft"):
+    return Placement(parallel=ParallelConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+                                             tp_lcm_size=lcm), model=model, draft_model=draft,
+                     split_heads=lcm is not None)
+
+
+POOL_ARGS = st.fixed_dictionaries({
+    "attention": st.sampled_from(["mha", "mla"]),
+    "layers": st.integers(1, 3),
+    "page_size": st.sampled_from([2, 4]),
+    "dtype": st.sampled_from([torch.bfloat16, torch.float16, torch.float8_e4m3fn]),
+    "heads": st.sampled_from([1, 2]),
+    "layout": st.sampled_from(["page_first", "layer_first", "page_first_direct"]),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=POOL_ARGS, b=POOL_ARGS, kind_a=st.sampled_from(PoolKind), kind_b=st.sampled_from(PoolKind),
+       rank_a=st.integers(0, 1), rank_b=st.integers(0, 1))
+def test_namespaces_differ_whenever_bytes_can_differ(a, b, kind_a, kind_b, rank_a, rank_b):
+    """Equal namespaces only for equal (pool, shape, dtype, layout, model, shard)."""
+    pa = make_pool(a["attention"], a["layout"], layers=a["layers"], page_size=a["page_size"], dtype=a["dtype"],
+                   heads=a["heads"], num_pages=1)
+    pb = make_pool(b["attention"], b["layout"], layers=b["layers"], page_size=b["page_size"], dtype=b["dtype"],
+                   heads=b["heads"], num_pages=1)
+    na = namespaces(host_pool_spec(pa, kind_a), _placement(tp_rank=rank_a, tp_size=2), 1)
+    nb = namespaces(host_pool_spec(pb, kind_b), _placement(tp_rank=rank_b, tp_size=2), 1)
+    # MLA pools have no heads and are rank-replicated: their keys ignore head count and TP rank.
+    def shape(p):
+        return {k: v for k, v in p.items() if not (p["attention"] == "mla" and k == "heads")}
+
+    same = shape(a) == shape(b) and kind_a == kind_b and (a["attention"] == "mla" or rank_a == rank_b)
+    assert (na == nb) == same
+
+
+def test_draft_and_target_namespaces_never_collide_and_models_count():
+    pool = make_pool("mha", "page_first")
+    target = namespaces(host_pool_spec(pool, PoolKind.KV), _placement(), 1)
+    draft = namespaces(host_pool_spec(pool, PoolKind.DRAFT), _placement(), 1)
+    other_model = namespaces(host_pool_spec(pool, PoolKind.KV), _placement(model="other"), 1)
+    other_pp = namespaces(host_pool_spec(pool, PoolKind.KV), _placement(pp_rank=1, pp_size=2), 1)
+    assert len({target, draft, other_model, other_pp}) == 4
+
+
+def test_split_heads_namespaces_are_shared_across_tp_sizes():
+    """tp_size=2 with tp_lcm_size=4 names the same head groups as tp_size=4 ranks."""
+    caps = Capabilities(pools={PoolKind.KV: PoolCapability(attention=frozenset(Attention))}, split_heads=True)
+    writer = make_pool("mha", "page_head", heads=4)
+    wspec = host_pool_spec(writer, PoolKind.KV)
+    wplace = _placement(tp_rank=1, tp_size=2, lcm=4)
+    split = split_factor(wspec, wplace, caps)
+    assert split == 2
+    wns = namespaces(wspec, wplace, split)
+    reader = make_pool("mha", "page_head", heads=2)
+    rspec = host_pool_spec(reader, PoolKind.KV)
+    readers = [namespaces(rspec, _placement(tp_rank=r, tp_size=4, lcm=4), 1)[0] for r in (2, 3)]
+    assert list(wns) == readers
+    no_caps = caps.model_copy(update={"split_heads": False})
+    assert split_factor(wspec, wplace, no_caps) == 1
+
+
+def test_path_is_chosen_from_capabilities_only():
+    spec = host_pool_spec(make_pool("mha", "layer_first", layers=3), PoolKind.DRAFT)
+
+    def caps(**draft):
+        pools = {PoolKind.KV: PoolCapability(attention=frozenset(Attention))}
+        if draft:
+            pools[PoolKind.DRAFT] = PoolCapability(**draft)
+        return Capabilities(pools=pools)
+
+    mha = frozenset({Attention.MHA})
+    assert pool_path(caps(), spec, 1, True).path is IOPath.DISABLED
+    assert pool_path(caps(attention=frozenset({Attention.MLA})), spec, 1, True).path is IOPath.DISABLED
+    zc = caps(attention=mha, zero_copy_layouts=frozenset({Layout.LAYER_FIRST}))
+    assert pool_path(zc, spec, 1, True).path is IOPath.ZERO_COPY
+    assert pool_path(zc, spec, 1, False).path is IOPath.GENERIC
+    few = caps(attention=mha, zero_copy_layouts=frozenset({Layout.LAYER_FIRST}), max_buffers_per_page=2)
+    assert pool_path(few, spec, 1, True).path is IOPath.GENERIC  # 2 * 3 layers buffers > 2
+    only_zc = caps(attention=mha, zero_copy_layouts=frozenset({Layout.PAGE_FIRST}), generic=False)
+    assert pool_path(only_zc, spec, 1, True).path is IOPath.DISABLED
+    only_zc_lf = caps(attention=mha, zero_copy_layouts=frozenset({Layout.LAYER_FIRST}), generic=False)
+    assert pool_path(only_zc_lf, spec, 1, True).path is IOPath.ZERO_COPY
+    assert pool_path(only_zc_lf, spec, 1, False).path is IOPath.DISABLED  # flat pages only

@@ -56,6 +56,8 @@ class PoolCapability(BaseModel):
     ``generic``: the backend accepts pages that the controller copied into one contiguous buffer.
     ``max_buffers_per_page``: the most buffers one page may be made of on the zero-copy path
     (``None``: no limit). A backend whose storage slots hold one buffer (3FS) says 1 here.
+    ``note``: why the support is limited, in the backend's words; ``check`` prints it with any
+    path that is not ``zero_copy``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -64,6 +66,7 @@ class PoolCapability(BaseModel):
     zero_copy_layouts: frozenset[Layout] = frozenset()
     generic: bool = True
     max_buffers_per_page: int | None = Field(default=None, ge=1)
+    note: str = ""
 
 
 class Capabilities(BaseModel):
@@ -102,6 +105,7 @@ class Capabilities(BaseModel):
                     "zero_copy_layouts": sorted(layout.value for layout in c.zero_copy_layouts),
                     "generic": c.generic,
                     "max_buffers_per_page": c.max_buffers_per_page,
+                    "note": c.note,
                 }
                 for k, c in sorted(self.pools.items())
             },

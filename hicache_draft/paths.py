@@ -50,9 +50,11 @@ def choose_path(caps: Capabilities, spec: PoolSpec, split: int) -> PathChoice:
     cap = caps.pools.get(spec.kind)
     if cap is None:
         return PathChoice(IOPath.DISABLED, f"the backend does not declare the {pool!r} pool")
+    note = f" (backend note: {cap.note})" if cap.note else ""
     if spec.attention not in cap.attention:
         return PathChoice(
-            IOPath.DISABLED, f"the backend does not declare {spec.attention.value!r} attention for the {pool!r} pool"
+            IOPath.DISABLED,
+            f"the backend does not declare {spec.attention.value!r} attention for the {pool!r} pool{note}",
         )
     split = split if spec.attention is Attention.MHA else 1
     if split > 1 and not caps.split_heads:
@@ -78,8 +80,8 @@ def choose_path(caps: Capabilities, spec: PoolSpec, split: int) -> PathChoice:
             IOPath.ZERO_COPY, f"layout {layout!r} is zero-copy for this backend ({nbuf} buffers per page{parts})"
         )
     if cap.generic:
-        return PathChoice(IOPath.GENERIC, f"{why_not}; pages are copied through staging buffers")
-    return PathChoice(IOPath.DISABLED, f"{why_not}, and the backend has no generic path for the {pool!r} pool")
+        return PathChoice(IOPath.GENERIC, f"{why_not}; pages are copied through staging buffers{note}")
+    return PathChoice(IOPath.DISABLED, f"{why_not}, and the backend has no generic path for the {pool!r} pool{note}")
 
 
 def plan_paths(config: Config, caps: Capabilities) -> dict[PoolKind, PathChoice]:

@@ -30,6 +30,11 @@ ZC, GEN, OFF = IOPath.ZERO_COPY, IOPath.GENERIC, IOPath.DISABLED
 PS = 4
 MLA_MTP_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "configs" / "hf3fs-mla-mtp.toml"
 
+MHA_DRAFT_REASON = (
+    "the backend does not declare 'mha' attention for the 'draft' pool (backend note: a 3FS draft slot holds "
+    "one buffer; an MHA draft page is K plus V, twice the slot)"
+)
+
 
 def config_dict(
     target: str, draft: str | None, layout: str = "page_first", draft_layout: str | None = None,
@@ -97,7 +102,7 @@ def test_every_target_draft_attention_combination(target, draft):
     if draft is None:
         assert "draft.enabled = false" in got[DRAFT][1]
     elif draft == "mha":
-        assert got[DRAFT][1] == "the backend does not declare 'mha' attention for the 'draft' pool"
+        assert got[DRAFT][1] == MHA_DRAFT_REASON
 
 
 @pytest.mark.parametrize("target", ["mha", "mla"])
@@ -105,7 +110,7 @@ def test_every_target_draft_attention_combination(target, draft):
 def test_mha_draft_is_disabled_in_every_layout(target, layout):
     target_layout = "page_first" if (target, layout) == ("mla", "page_head") else layout  # page_head is MHA-only
     got = plan(target=target, draft="mha", layout=target_layout, draft_layout=layout)
-    assert got[DRAFT] == (OFF, "the backend does not declare 'mha' attention for the 'draft' pool")
+    assert got[DRAFT] == (OFF, MHA_DRAFT_REASON)
 
 
 @pytest.mark.parametrize(
@@ -192,7 +197,7 @@ def test_check_json_shows_the_disabled_mha_draft_with_its_reason(tmp_path, no_co
     assert report["backend"] == "hf3fs" and report["distribution"] == "hicache-draft-hf3fs"
     assert report["pools"]["kv"]["path"] == "zero_copy"
     assert report["pools"]["draft"] == {
-        "path": "disabled", "reason": "the backend does not declare 'mha' attention for the 'draft' pool",
+        "path": "disabled", "reason": MHA_DRAFT_REASON,
     }
     assert report["capabilities"] == HF3FS_CAPABILITIES.summary()
 
@@ -211,7 +216,8 @@ def test_check_text_names_the_reason_for_a_disabled_draft(tmp_path, no_construct
     res = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["check", cfg])
     assert res.exit_code == 0, res.output
     assert "disabled" in res.stdout
-    assert "the backend does not declare 'mha' attention for the 'draft' pool" in res.stdout
+    assert "does not declare 'mha' attention for the 'draft' pool" in res.stdout
+    assert "K plus V" in res.stdout
 
 
 def test_check_refuses_bad_hf3fs_options_with_exit_2(tmp_path, no_construction):

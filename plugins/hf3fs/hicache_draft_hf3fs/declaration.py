@@ -37,6 +37,7 @@ HF3FS_CAPABILITIES = Capabilities(
             zero_copy_layouts=ZERO_COPY_LAYOUTS,
             generic=True,
             max_buffers_per_page=1,
+            note="a 3FS draft slot holds one buffer; an MHA draft page is K plus V, twice the slot",
         ),
     },
     split_heads=False,

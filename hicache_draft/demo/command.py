@@ -1,0 +1,75 @@
+"""``hicache-draft demo``: speculative decoding across a restart, with and without draft offload."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from hicache_draft.capabilities import Attention
+from hicache_draft.demo.phases import Phase
+from hicache_draft.demo.report import render
+from hicache_draft.demo.runner import PHASES, DemoOptions, run_demo
+from hicache_draft.errors import HiCacheDraftError
+
+_PHASE_NAMES = {Phase.FIRST: "run 1", Phase.AFTER_RESTART: "restart", Phase.CONTROL: "control"}
+
+
+@click.command("demo")
+@click.option("--backend", default=None, help="Storage backend (entry-point name). Default: the config's, else 'file'.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="A hicache-draft config file (TOML/JSON): backend, options, timeouts, layouts are used.")
+@click.option("--root", default=None, help="backend_options.root (default for 'file': a temporary directory).")
+@click.option("--pair", "pairs", type=click.Choice([a.value for a in Attention]), multiple=True,
+              help="Run only these pairs (repeatable). Default: mha and mla.")
+@click.option("--prompt-tokens", type=click.IntRange(min=4), default=1000, show_default=True)
+@click.option("--period", type=click.IntRange(2, 256), default=128, show_default=True,
+              help="Length of the random token sequence the prompt repeats.")
+@click.option("--decode-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--draft-tokens", "-k", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Tokens the draft proposes per verification step.")
+@click.option("--page-size", type=click.IntRange(min=1), default=None, help="Tokens per page (default: config or 16).")
+@click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--timeout", "phase_timeout_s", type=click.FloatRange(min=1), default=300.0, show_default=True,
+              help="Seconds each phase's process may take.")
+@click.option("--jobs", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Pairs run side by side (each pair's runs stay in order).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def demo(
+    backend: str | None, config_path: str | None, root: str | None, pairs: tuple[str, ...], prompt_tokens: int,
+    period: int, decode_tokens: int, draft_tokens: int, page_size: int | None, seed: int, phase_timeout_s: float,
+    jobs: int, as_json: bool,
+) -> None:
+    """Restart a speculative-decoding server and see whether the draft KV came back.
+
+    For each model pair (MHA target + EAGLE-like draft, MLA target + MTP-like draft): run 1
+    prefills a long prompt, decodes and backs up target and draft pages; a new process restores
+    them and decodes again; a control restart has draft offload off. Each run is its own process.
+    """
+    opts = DemoOptions(
+        backend=backend, config_path=config_path, root=root,
+        pairs=tuple(Attention(p) for p in pairs) or (Attention.MHA, Attention.MLA),
+        prompt_tokens=prompt_tokens, period=period, decode_tokens=decode_tokens, draft_tokens=draft_tokens,
+        page_size=page_size, seed=seed, phase_timeout_s=phase_timeout_s, jobs=jobs,
+    )
+    console = Console(stderr=as_json)
+    try:
+        with Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(), console=console, transient=True,
+        ) as progress:
+            task = progress.add_task("starting", total=len(opts.pairs) * len(PHASES))
+
+            def on_step(attention: Attention, phase: Phase, step: str) -> None:
+                label = f"[bold]{attention.value}[/] {_PHASE_NAMES[phase]}: {step}"
+                progress.update(task, description=label, advance=1 if step == "done" else 0)
+
+            report = run_demo(opts, on_step)
+    except HiCacheDraftError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        render(report, console)

@@ -1,0 +1,80 @@
+"""``hicache-draft mooncake up`` (started as a real process, stopped with Ctrl-C) and ``bench``."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+
+import click
+import pytest
+from click.testing import CliRunner
+from hicache_draft_mooncake.cli import mooncake, parse_size
+from hicache_draft_mooncake.service import port_open
+
+from hicache_draft import PageResult, PoolKind, Store
+
+from .conftest import make_rig
+
+
+def test_up_prints_a_working_config_and_stops_on_ctrl_c(new_groups):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicache_draft_mooncake.cli", "up", "--segment-size", "64MiB"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 30
+        while not any(ln.startswith("# shm_client_address") for ln in lines) and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+        text = "\n".join(lines)
+        assert 'backend = "mooncake"' in text and "[backend_options]" in text, text
+        config = tomllib.loads(text)
+        assert config["backend"] == "mooncake"
+        opts = config["backend_options"]
+        pids = [int(p) for p in re.findall(r"pid (\d+)", text)]
+        store = Store.open("mooncake", opts)
+        try:
+            w = make_rig()
+            w.fill_random()
+            assert store.page_set([w.transfer(w.pages(new_groups(1), [0]))])[PoolKind.KV] == [PageResult.OK]
+        finally:
+            store.close()
+        port = int(opts["master_server_address"].rsplit(":", 1)[1])
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert not port_open(port)
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:  # a failed assertion: let `up` stop its children, then make sure
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def test_bench_runs_and_reports_ratios():
+    result = CliRunner().invoke(
+        mooncake, ["bench", "--mode", "tcp", "--page-size", "16KiB", "--pages", "8", "--rounds", "1", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    import json
+
+    rows = json.loads(result.output[result.output.index("[") :])
+    assert len(rows) == 1 and rows[0]["mode"] == "tcp" and rows[0]["page_bytes"] == 16 << 10
+    assert rows[0]["set_ratio"] > 0 and rows[0]["get_ratio"] > 0
+
+
+def test_parse_size():
+    assert parse_size("64KiB") == 64 << 10 and parse_size("1 GiB") == 1 << 30 and parse_size("4096") == 4096
+    with pytest.raises(click.BadParameter):
+        parse_size("lots")

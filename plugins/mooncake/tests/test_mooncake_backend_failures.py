@@ -1,0 +1,115 @@
+"""Failures: master killed and restarted mid-run, segment holder killed, setup errors, bad options.
+Every failure gives bounded misses/failures, nothing raises out of the hooks, nothing stale is OK."""
+
+import time
+
+import pytest
+from hicache_draft_mooncake.service import free_ports
+
+from hicache_draft import BackendSetupError, ConfigError, PageResult, PoolKind, Store
+
+from .conftest import make_rig
+
+OK = PageResult.OK
+RECOVERY_BOUND_S = 30.0
+
+
+def _until_round_trip(store, rig, new_groups):
+    """Put and get fresh pages until both work again (bounded); the groups that made it, or None."""
+    deadline = time.monotonic() + RECOVERY_BOUND_S
+    reader = make_rig()
+    while time.monotonic() < deadline:
+        g = new_groups(2)
+        if store.page_set([rig.transfer(rig.pages(g, [4, 5]))])[PoolKind.KV] == [OK, OK]:
+            got, _ = store.page_get([reader.transfer(reader.pages(g, [4, 5]))])
+            if got[PoolKind.KV] == [OK, OK]:
+                assert [reader.page_bytes(4), reader.page_bytes(5)] == [rig.page_bytes(4), rig.page_bytes(5)]
+                return g
+        time.sleep(0.3)
+    return None
+
+
+def test_master_killed_then_restarted(mooncake_service_factory, new_groups):
+    svc = mooncake_service_factory()
+    store = Store.open("mooncake", {**svc.backend_options(), "retry_interval_s": 0.5})
+    try:
+        w, r = make_rig(), make_rig()
+        w.fill_random()
+        old = new_groups(2)
+        assert store.page_set([w.transfer(w.pages(old, [0, 1]))])[PoolKind.KV] == [OK, OK]
+
+        svc.master.kill()
+        got, done = store.page_get([r.transfer(r.pages(old, [2, 3]))])
+        assert done.done() and OK not in got[PoolKind.KV]
+        assert store.backend.stats["master_unreachable"] >= 1
+        # while the master is down, calls are answered at once (no new native data call)
+        assert store.page_exists({PoolKind.KV: [p.key for p in w.pages(old, [0, 1])]}) == {PoolKind.KV: 0}
+        assert OK not in store.page_set([w.transfer(w.pages(new_groups(1), [4]))])[PoolKind.KV]
+
+        svc.start_master()  # same ports; the master lost every object
+        assert _until_round_trip(store, w, new_groups) is not None
+        got, _ = store.page_get([r.transfer(r.pages(old, [2, 3]))])
+        assert got[PoolKind.KV] == [PageResult.MISS, PageResult.MISS]
+    finally:
+        store.close()
+
+
+def test_segment_holder_killed_gives_misses_never_stale_data(mooncake_service_factory, new_groups):
+    svc = mooncake_service_factory()
+    tcp = Store.open("mooncake", svc.backend_options())
+    shm = Store.open("mooncake", {**svc.backend_options(shm=True), "shm_pool_size": 16 << 20})
+    try:
+        w = make_rig()
+        w.fill_random()
+        g = new_groups(3)
+        assert tcp.page_set([w.transfer(w.pages(g, [0, 1, 2]))])[PoolKind.KV] == [OK] * 3
+
+        svc.holder.kill()
+        for store in (tcp, shm):
+            r = make_rig()
+            got, done = store.page_get([r.transfer(r.pages(g, [3, 4, 5]))])
+            assert done.done() and OK not in got[PoolKind.KV]
+
+        svc.start_holder()  # a new, empty holder
+        assert _until_round_trip(tcp, w, new_groups) is not None
+        r = make_rig()
+        got, _ = tcp.page_get([r.transfer(r.pages(g, [0, 1, 2]))])
+        assert OK not in got[PoolKind.KV]
+    finally:
+        tcp.close()
+        shm.close()
+
+
+def test_setup_failure_names_the_master_and_what_to_check():
+    (port,) = free_ports(1)
+    with pytest.raises(BackendSetupError) as err:
+        Store.open("mooncake", {"master_server_address": f"127.0.0.1:{port}",
+                                "metadata_server": "http://127.0.0.1:1/metadata", "connect_timeout_s": 0.5})
+    msg = str(err.value)
+    assert f"127.0.0.1:{port}" in msg and "unreachable" in msg and "check that mooncake_master runs" in msg
+
+
+def test_shm_setup_failure_names_the_local_client(mooncake_service):
+    (port,) = free_ports(1)
+    opts = {**mooncake_service.backend_options(), "shm_client_address": f"127.0.0.1:{port}", "connect_timeout_s": 0.5}
+    with pytest.raises(BackendSetupError) as err:
+        Store.open("mooncake", opts)
+    assert f"127.0.0.1:{port}" in str(err.value) and "mooncake_client" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({}, "backend_options.master_server_address"),
+        ({"master_server_address": "nohostport"}, "backend_options.master_server_address"),
+        ({"master_server_address": "h:1", "metadata_server": "ftp://x"}, "backend_options.metadata_server"),
+        ({"master_server_address": "h:1", "key_prefix": "bad key"}, "backend_options.key_prefix"),
+        ({"master_server_address": "h:1", "protocol": "udp"}, "backend_options.protocol"),
+        ({"master_server_address": "h:1", "shm_client_address": "h:99999"}, "backend_options.shm_client_address"),
+        ({"master_server_address": "h:1", "unknown": 1}, "backend_options.unknown"),
+    ],
+)
+def test_bad_options_name_the_field(options, field):
+    with pytest.raises(ConfigError) as err:
+        Store.open("mooncake", options)
+    assert err.value.field == field

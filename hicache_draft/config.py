@@ -197,7 +197,8 @@ def _format_error(exc: ValidationError, source: str) -> ConfigError:
     msg = err["msg"].removeprefix("Value error, ")
     where = f"{loc}: " if loc else ""
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return ConfigError(f"invalid config {source}: {where}{msg}{more}", field=loc or None)
+    label = f"invalid config {source}" if source else "invalid config"
+    return ConfigError(f"{label}: {where}{msg}{more}", field=loc or None)
 
 
 def _set_path(data: dict[str, Any], path: list[str], value: Any) -> None:  # noqa: ANN401
@@ -258,7 +259,7 @@ def load_config(
     Raises :class:`ConfigError` with one message naming the field and the reason.
     """
     base: dict[str, Any] = dict(data or {})
-    source = "(dict)"
+    source = ""
     if path is not None:
         base = read_config_file(path)
         source = str(path)

@@ -76,9 +76,8 @@ def choose_path(caps: Capabilities, spec: PoolSpec, split: int) -> PathChoice:
         )
     else:
         parts = f", {split} head parts per page" if split > 1 else ""
-        return PathChoice(
-            IOPath.ZERO_COPY, f"layout {layout!r} is zero-copy for this backend ({nbuf} buffers per page{parts})"
-        )
+        buffers = f"{nbuf} buffer{'s' if nbuf > 1 else ''} per page"
+        return PathChoice(IOPath.ZERO_COPY, f"layout {layout!r} is zero-copy for this backend ({buffers}{parts})")
     if cap.generic:
         return PathChoice(IOPath.GENERIC, f"{why_not}; pages are copied through staging buffers{note}")
     return PathChoice(IOPath.DISABLED, f"{why_not}, and the backend has no generic path for the {pool!r} pool{note}")

@@ -72,7 +72,7 @@ PATH_ROWS = [
      {"draft": "mha"}, IOPath.ZERO_COPY, IOPath.DISABLED, "is 2 buffers"),
     ("single-buffer-mla-draft-ok", caps(draft=PoolCapability(attention=BOTH, zero_copy_layouts=ALL_LAYOUTS,
                                                              max_buffers_per_page=1, generic=False)),
-     {"draft": "mla"}, IOPath.ZERO_COPY, IOPath.ZERO_COPY, "1 buffers per page"),
+     {"draft": "mla"}, IOPath.ZERO_COPY, IOPath.ZERO_COPY, "1 buffer per page"),
     ("split-heads-not-page-head", caps(), {"tp_size": 2, "tp_lcm_size": 4}, IOPath.GENERIC, IOPath.GENERIC,
      "head groups contiguous"),
     ("split-heads-page-head", caps(), {"layout": "page_head", "tp_size": 2, "tp_lcm_size": 4}, IOPath.ZERO_COPY,

@@ -6,23 +6,23 @@ import pytest
 from click.testing import CliRunner
 
 from hicache_draft.capabilities import Attention
-from hicache_draft.demo.command import demo
+from hicache_draft.cli import main
 from hicache_draft.demo.pairs import identity, make_pair, make_prompt, pair_config
 from hicache_draft.demo.phases import Job, Phase
 from hicache_draft.demo.runner import DemoError, DemoOptions, base_config, run_job
 
 
 def test_unknown_backend_is_named():
-    result = CliRunner().invoke(demo, ["--backend", "no-such-store", "--pair", "mha"])
-    assert result.exit_code != 0
+    result = CliRunner().invoke(main, ["demo", "--backend", "no-such-store", "--pair", "mha"])
+    assert result.exit_code == 2  # bad input
     assert "no-such-store" in result.output and "installed backends" in result.output
 
 
 def test_a_bad_config_file_is_named(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("timeout_s = -1\n")
-    result = CliRunner().invoke(demo, ["--config", str(bad), "--pair", "mha"])
-    assert result.exit_code != 0
+    result = CliRunner().invoke(main, ["demo", "--config", str(bad), "--pair", "mha"])
+    assert result.exit_code == 2  # bad input
     assert "timeout_s" in result.output
 
 

@@ -12,7 +12,7 @@ from hicache_draft.capabilities import Attention
 from hicache_draft.demo.phases import Phase
 from hicache_draft.demo.report import render
 from hicache_draft.demo.runner import PHASES, DemoOptions, run_demo
-from hicache_draft.errors import HiCacheDraftError
+from hicache_draft.errors import ConfigError, HiCacheDraftError, PluginError
 
 _PHASE_NAMES = {Phase.FIRST: "run 1", Phase.AFTER_RESTART: "restart", Phase.CONTROL: "control"}
 
@@ -67,6 +67,8 @@ def demo(
                 progress.update(task, description=label, advance=1 if step == "done" else 0)
 
             report = run_demo(opts, on_step)
+    except (ConfigError, PluginError):
+        raise  # the CLI group prints it and exits 2 (bad input)
     except HiCacheDraftError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

@@ -1,0 +1,312 @@
+"""``hicache-draft file bench``: set/get GB/s and existence µs/key against a same-run baseline.
+
+Every figure is a ratio against :mod:`hicache_draft_file.baseline` (one file per page) measured
+in the same run, on the same machine, on pages of the same size, in the same rounds: each round
+writes fresh keys with every method in a rotating order, then reads them back, so page-cache and
+filesystem conditions are shared. Nothing is deleted between measurements (file creation on some
+filesystems is much slower for minutes after a mass delete); the scratch root is removed at the end.
+
+Dirty pages are flushed (``os.sync``, outside the timed region) before every timed write. Without
+that, once about 150 MB are dirty the kernel throttles every writer to the disk's write-back speed
+(about 0.4 GB/s on the development VM), and both designs measure the disk, not themselves. Each
+timed batch (8 MiB or 128 MiB) therefore lands in the page cache, which is the regime a burst of
+KV-cache backups sees, and where per-file syscalls are what differ between designs. After each
+round has been measured its files are dropped from the page cache (``POSIX_FADV_DONTNEED``, also
+untimed): the development VM caps the page cache near 1 GB, and past that every new cached page
+costs a reclaim, so without the drop the later 1 MiB rounds measure reclaim (about 0.4 GB/s for
+any design) instead of the store.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hicache_draft import (
+    Attention,
+    BackendContext,
+    Buffer,
+    HostPool,
+    Layout,
+    Page,
+    PageResult,
+    PageTransfer,
+    PoolKind,
+    PoolSpec,
+)
+from hicache_draft_file.backend import FileBackend
+from hicache_draft_file.baseline import OneFilePerPage
+from hicache_draft_file.options import FileOptions
+
+BATCH = 128
+GOALS = {
+    ("set", 64 << 10): 2.0,
+    ("set", 1 << 20): 1.3,
+    ("get", 64 << 10): 1.0,
+    ("get", 1 << 20): 1.0,
+}
+EXISTS_GOAL_US = 1.0
+NS = "5eed" * 6
+
+
+@dataclass
+class SizeResult:
+    """GB/s are medians over rounds; a ratio is the median of the per-round ratios (each round's
+    methods run back to back, so pairing them cancels the slow and fast phases of a shared VM)."""
+
+    page_bytes: int
+    gbps: dict[str, dict[str, float]] = field(default_factory=dict)  # op -> method -> GB/s
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)  # op -> method -> x baseline
+
+    def ratio(self, op: str, method: str) -> float:
+        return self.ratios[op][method]
+
+
+def _pool(page_bytes: int) -> HostPool:
+    # MHA page_first_direct: two contiguous buffers (K, V) per page, as a real host pool has.
+    token = 2 * 8 * 4 * 64 * 2  # 2 (K,V) * layers * heads * head_dim * fp16
+    spec = PoolSpec(
+        kind=PoolKind.KV, attention=Attention.MHA, layers=8, page_size=page_bytes // token,
+        dtype=torch.float16, layout=Layout.PAGE_FIRST_DIRECT, kv_heads=4, head_dim=64,
+    )
+    pool = HostPool(spec, BATCH)
+    assert spec.page_nbytes == page_bytes
+    gen = torch.Generator().manual_seed(page_bytes)
+    pool.raw.copy_(torch.randint(0, 256, (pool.raw.numel(),), dtype=torch.uint8, generator=gen))
+    return pool
+
+
+def _keys(tag: str, rnd: int) -> list[str]:
+    return [f"{tag}{rnd:06x}{i:08x}".ljust(64, "0") for i in range(BATCH)]
+
+
+def _zero_copy_pages(pool: HostPool, keys: list[str]) -> list[Page]:
+    ps = pool.spec.page_size
+    return [Page(f"{k}.{NS}", k, NS, pool.page_buffers(i * ps)) for i, k in enumerate(keys)]
+
+
+def _generic_pages(staging: torch.Tensor, page_bytes: int, keys: list[str]) -> list[Page]:
+    base = staging.data_ptr()
+    return [
+        Page(f"{k}.{NS}", k, NS, (Buffer(base + i * page_bytes, page_bytes, owner=staging),))
+        for i, k in enumerate(keys)
+    ]
+
+
+def _timed(fn: Callable[[], int], expect: int) -> float:
+    t0 = time.perf_counter()
+    got = fn()
+    dt = time.perf_counter() - t0
+    if got != expect:
+        raise RuntimeError(f"benchmark step stored/loaded {got} of {expect} pages")
+    return dt
+
+
+def _ok(res: dict[PoolKind, list[PageResult]]) -> int:
+    return sum(r is PageResult.OK for r in res[PoolKind.KV])
+
+
+def _drop_cache(root: Path) -> None:
+    """Ask the kernel to drop the (clean, synced) cached pages of every file under ``root``."""
+    os.sync()
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            try:
+                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def bench_size(root: Path, page_bytes: int, rounds: int) -> SizeResult:
+    pool = _pool(page_bytes)
+    staging = pool.raw.clone()
+    dest_pool = _pool(page_bytes)
+    dest_staging = torch.empty_like(staging)
+    backend = FileBackend(FileOptions(root=root / f"file-{page_bytes}"), BackendContext())
+    base = OneFilePerPage(root / f"baseline-{page_bytes}")
+    far = float("inf")
+    times: dict[str, dict[str, list[float]]] = {"set": {}, "get": {}}
+
+    # Page lists are built before the clock starts: making them is the controller's work.
+    def zc_set(keys: list[str]) -> Callable[[], int]:
+        t = [PageTransfer(PoolKind.KV, _zero_copy_pages(pool, keys), True)]
+        return lambda: _ok(backend.page_set(t, far))
+
+    def zc_get(keys: list[str]) -> Callable[[], int]:
+        t = [PageTransfer(PoolKind.KV, _zero_copy_pages(dest_pool, keys), True)]
+        return lambda: _ok(backend.page_get(t, far))
+
+    def gen_set(keys: list[str]) -> Callable[[], int]:
+        t = [PageTransfer(PoolKind.KV, _generic_pages(staging, page_bytes, keys), False)]
+        return lambda: _ok(backend.page_set(t, far))
+
+    def gen_get(keys: list[str]) -> Callable[[], int]:
+        t = [PageTransfer(PoolKind.KV, _generic_pages(dest_staging, page_bytes, keys), False)]
+        return lambda: _ok(backend.page_get(t, far))
+
+    def b_set(keys: list[str]) -> Callable[[], int]:
+        pages = _generic_pages(staging, page_bytes, keys)
+        return lambda: base.set(PoolKind.KV, pages)
+
+    def b_get(keys: list[str]) -> Callable[[], int]:
+        pages = _generic_pages(dest_staging, page_bytes, keys)
+        return lambda: base.get(PoolKind.KV, pages)
+
+    methods = {"zero_copy": (zc_set, zc_get), "generic": (gen_set, gen_get), "baseline": (b_set, b_get)}
+    order = list(methods)
+    warm = {m: _keys(f"{j:x}f", 0xFFFFFF) for j, m in enumerate(order)}
+    for m, (s, g) in methods.items():  # warm-up round, not counted
+        _timed(s(warm[m]), BATCH)
+        _timed(g(warm[m]), BATCH)
+    for rnd in range(rounds):
+        rot = order[rnd % 3 :] + order[: rnd % 3]
+        keys = {m: _keys(f"{order.index(m):x}", rnd) for m in order}
+        for m in rot:
+            os.sync()  # untimed: start every timed write with no dirty pages (see module doc)
+            times["set"].setdefault(m, []).append(_timed(methods[m][0](keys[m]), BATCH))
+        os.sync()
+        for m in rot:
+            times["get"].setdefault(m, []).append(_timed(methods[m][1](keys[m]), BATCH))
+        _drop_cache(root)  # untimed: the measured round's pages leave the page cache (see module doc)
+    backend.close()
+    out = SizeResult(page_bytes)
+    for op, per in times.items():
+        out.gbps[op] = {m: BATCH * page_bytes / statistics.median(ts) / 1e9 for m, ts in per.items()}
+        out.ratios[op] = {
+            m: statistics.median(b / t for b, t in zip(per["baseline"], ts, strict=True))
+            for m, ts in per.items() if m != "baseline"
+        }
+    return out
+
+
+def bench_exists(root: Path, n_keys: int) -> dict[str, float]:
+    """µs per key for a prefix query over ``n_keys`` stored keys (warm), ours and the baseline."""
+    page = 4096
+    backend = FileBackend(FileOptions(root=root / "exists-file"), BackendContext())
+    base = OneFilePerPage(root / "exists-baseline")
+    staging = torch.zeros(BATCH * page, dtype=torch.uint8)
+    keys: list[str] = []
+    for rnd in range(n_keys // BATCH):
+        ks = _keys("e", rnd)
+        pages = _generic_pages(staging, page, ks)
+        backend.page_set([PageTransfer(PoolKind.KV, pages)], float("inf"))
+        base.set(PoolKind.KV, pages)
+        keys.extend(ks)
+    full = [f"{k}.{NS}" for k in keys]
+    backend.page_exists({PoolKind.KV: full})  # warm
+    base.exists(PoolKind.KV, full)
+
+    def per_key(fn: Callable[[], int]) -> float:
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            got = fn()
+            best = min(best, time.perf_counter() - t0)
+            if got != len(full):
+                raise RuntimeError(f"existence found {got} of {len(full)} keys")
+        return best / len(full) * 1e6
+
+    ours = per_key(lambda: backend.page_exists({PoolKind.KV: full})[PoolKind.KV])
+    theirs = per_key(lambda: base.exists(PoolKind.KV, full))
+    backend.close()
+    return {"keys": float(len(full)), "file_us_per_key": ours, "baseline_us_per_key": theirs}
+
+
+def bench_restart(root: Path, pages: int, batch: int = BATCH) -> dict[str, float]:
+    """Store ``pages`` pages (target + draft of ``pages/2`` groups, ``batch`` pages per call),
+    then time a new backend instance from start to its first existence answer."""
+    page = 1024
+    where = root / f"restart-{pages}-{batch}"
+    backend = FileBackend(FileOptions(root=where), BackendContext())
+    staging = torch.zeros(batch * page, dtype=torch.uint8)
+    half = batch // 2
+    first: list[str] = []
+    for rnd in range(pages // batch):
+        groups = [f"{rnd:08x}{i:08x}".ljust(64, "a") for i in range(half)]
+        kv = [Page(f"{g}.{NS}", g, NS, (Buffer(staging.data_ptr() + i * page, page, staging),))
+              for i, g in enumerate(groups)]
+        dr = [Page(f"{g}.{'d' * 24}", g, "d" * 24, (Buffer(staging.data_ptr() + (half + i) * page, page, staging),))
+              for i, g in enumerate(groups)]
+        backend.page_set([PageTransfer(PoolKind.KV, kv), PageTransfer(PoolKind.DRAFT, dr)], float("inf"))
+        if rnd == 0:
+            first = [p.key for p in kv]
+    backend.close()
+    t0 = time.perf_counter()
+    again = FileBackend(FileOptions(root=where), BackendContext())
+    hit = again.page_exists({PoolKind.KV: first})[PoolKind.KV]
+    dt = time.perf_counter() - t0
+    stored = again.usage()["pages"]
+    again.close()
+    if hit != len(first) or stored != pages // batch * batch:
+        raise RuntimeError(f"restart found {hit} of {len(first)} keys, {stored} pages")
+    return {"pages": float(stored), "batch": float(batch), "segments": float(pages // batch), "first_exists_s": dt}
+
+
+def run_bench(quick: bool = False, root: Path | None = None) -> dict[str, object]:
+    """Run everything; return a JSON-ready report."""
+    scratch = Path(tempfile.mkdtemp(prefix="hcd-file-bench-", dir=root))
+    try:
+        sizes = [bench_size(scratch, 64 << 10, 6 if quick else 24), bench_size(scratch, 1 << 20, 3 if quick else 8)]
+        exists = bench_exists(scratch, 2048 if quick else 8192)
+        restart = [bench_restart(scratch, 20_000 if quick else 100_000)]
+        if not quick:
+            restart.append(bench_restart(scratch, 100_000, batch=16))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report: dict[str, object] = {"quick": quick, "batch": BATCH, "cpus": os.cpu_count(), "sizes": [], "goals_met": True}
+    met = True
+    for s in sizes:
+        row: dict[str, object] = {"page_bytes": s.page_bytes, "gbps": s.gbps, "ratios": {}}
+        for op in ("set", "get"):
+            for m in ("zero_copy", "generic"):
+                r = s.ratio(op, m)
+                row["ratios"][f"{op}_{m}"] = r  # type: ignore[index]
+            goal = GOALS[(op, s.page_bytes)]
+            row["ratios"][f"{op}_goal"] = goal  # type: ignore[index]
+            met &= s.ratio(op, "zero_copy") >= goal
+        report["sizes"].append(row)  # type: ignore[union-attr]
+    met &= exists["file_us_per_key"] <= EXISTS_GOAL_US
+    report["exists"] = exists
+    report["restart"] = restart
+    report["goals_met"] = met
+    return report
+
+
+def format_report(rep: dict[str, object]) -> str:
+    lines = [f"hicache-draft file bench (batches of {rep['batch']} pages, {rep['cpus']} CPUs"
+             f"{', quick' if rep['quick'] else ''}); ratios are against one-file-per-page measured in this run"]
+    lines.append(f"{'page':>6} {'op':>4} {'baseline':>10} {'zero_copy':>10} {'generic':>10} {'zc ratio':>9} "
+                 f"{'gen ratio':>9} {'goal':>5}")
+    for row in rep["sizes"]:  # type: ignore[union-attr]
+        size = f"{row['page_bytes'] >> 10}K" if row["page_bytes"] < 1 << 20 else f"{row['page_bytes'] >> 20}M"
+        for op in ("set", "get"):
+            g = row["gbps"][op]
+            r = row["ratios"]
+            lines.append(
+                f"{size:>6} {op:>4} {g['baseline']:>8.2f}GB {g['zero_copy']:>8.2f}GB {g['generic']:>8.2f}GB "
+                f"{r[f'{op}_zero_copy']:>8.2f}x {r[f'{op}_generic']:>8.2f}x {r[f'{op}_goal']:>4.1f}x"
+            )
+    ex = rep["exists"]
+    lines.append(
+        f"exists: {ex['file_us_per_key']:.3f} us/key (goal <= {EXISTS_GOAL_US}), baseline "  # type: ignore[index]
+        f"{ex['baseline_us_per_key']:.3f} us/key, {int(ex['keys'])} keys"  # type: ignore[index]
+    )
+    for r in rep["restart"]:  # type: ignore[union-attr]
+        lines.append(
+            f"restart: {int(r['pages'])} pages in {int(r['segments'])} segments (batches of {int(r['batch'])}): "
+            f"first existence answer {r['first_exists_s'] * 1000:.0f} ms after start"
+        )
+    lines.append("goals met" if rep["goals_met"] else "GOALS NOT MET")
+    return "\n".join(lines)

@@ -1,0 +1,58 @@
+"""The ``[backend_options]`` of the file backend (unknown keys are refused)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MiB = 1 << 20
+
+
+class FileOptions(BaseModel):
+    """Options of the ``file`` backend.
+
+    ``root``: the store's directory. Created when missing if its parent exists (``create_root``);
+    a missing parent is a startup error naming the path. Several processes may share one root.
+    ``max_bytes``: capacity of the stored segments; least recently used groups are evicted down to
+    ``evict_to * max_bytes`` when a write goes over it. ``None``: no limit.
+    ``fsync``: flush each segment (and its directory entry) to the device before publishing it.
+    ``segment_max_bytes``: one ``page_set`` call is packed into segment files of at most this size
+    (a group is never split; a larger single group still gets its own segment).
+    ``read_only``: open without writing (``page_set`` fails every page); needed for a root the
+    process cannot write.
+    ``recycle_files``: evicted segment files kept for reuse, so eviction does not delete and then
+    re-create files (slow on some filesystems after mass deletes).
+    ``open_files``: segment file descriptors kept open per process.
+    ``dedup``: skip groups whose every page of the call is already stored.
+    ``journal_max_records``: the shared change journal is compacted past this many records.
+    ``io_threads``: threads that read the runs of one ``page_get`` in parallel, and (when above 1)
+    two threads that write the halves of a large segment (copies and checksums release the GIL);
+    1 does all I/O in the calling thread.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    root: Path
+    max_bytes: int | None = Field(default=None, ge=1)
+    fsync: bool = False
+    segment_max_bytes: int = Field(default=256 * MiB, ge=4096)
+    create_root: bool = True
+    read_only: bool = False
+    evict_to: float = Field(default=0.9, gt=0.0, le=1.0)
+    recycle_files: int = Field(default=16, ge=0)
+    open_files: int = Field(default=256, ge=2)
+    dedup: bool = True
+    journal_max_records: int = Field(default=1 << 16, ge=16)
+    io_threads: int = Field(default=2, ge=1, le=64)
+
+    @field_validator("root", mode="before")
+    @classmethod
+    def _expand(cls, v: object) -> object:
+        if isinstance(v, str):
+            if not v.strip():
+                raise ValueError("root must be a directory path, got an empty string")
+            return Path(v).expanduser()
+        if isinstance(v, Path):
+            return v.expanduser()
+        return v

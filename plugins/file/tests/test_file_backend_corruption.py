@@ -1,0 +1,99 @@
+"""Corrupt and foreign data: never returned, counted, logged, quarantined; a miss afterwards."""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hicache_draft import HEADER_SIZE, PageResult, PoolKind, Store, make_header
+
+PAGE = 4096
+
+
+def _locate(store: Store, kit, group: str, pool: PoolKind = PoolKind.KV) -> tuple[Path, int]:
+    entry = store.backend.catalog.lookup(pool, f"{group}.{kit.NS[pool]}")
+    assert entry is not None
+    seg, i = entry
+    return seg.path, seg.offset(i)
+
+
+def _poke(path: Path, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+def _flip(path: Path, offset: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([b[0] ^ 0xFF]), offset)
+    finally:
+        os.close(fd)
+
+
+def _foreign_header(kit, group: str) -> bytes:
+    other_ns = "ee" * 12
+    return make_header(f"{group}.{other_ns}", other_ns, PoolKind.KV, [kit.payload(f"{group}.{other_ns}", PAGE)])
+
+
+TAMPER: dict[str, Callable[..., None]] = {
+    "payload checksum": lambda path, off, kit, g: _flip(path, off + HEADER_SIZE + 100),
+    "bad magic": lambda path, off, kit, g: _poke(path, off, b"XXXXXXXX"),
+    "wrong version": lambda path, off, kit, g: _poke(path, off + 8, struct.pack("<H", 99)),
+    "header checksum": lambda path, off, kit, g: _flip(path, off + 40),
+    "foreign namespace": lambda path, off, kit, g: _poke(path, off, _foreign_header(kit, g)),
+    "truncated": lambda path, off, kit, g: os.truncate(path, off + HEADER_SIZE + 10),
+}
+
+
+@pytest.mark.parametrize("how", sorted(TAMPER))
+def test_tampered_page_is_corrupt_then_a_miss(open_store, kit, how: str) -> None:
+    store = open_store()
+    groups = [kit.group(i) for i in range(4)]
+    assert all(r == [PageResult.OK] * 4 for r in store.page_set(kit.both(groups, PAGE)).values())
+    path, off = _locate(store, kit, groups[2])
+    TAMPER[how](path, off, kit, groups[2])
+    got = kit.read_back(store, groups, PAGE)
+    bad = got[PoolKind.KV][2]
+    assert bad[0] is PageResult.CORRUPT, f"{how}: {bad}"
+    for r, equal in got[PoolKind.KV] + got[PoolKind.DRAFT]:
+        assert r is not PageResult.OK or equal, f"{how}: a page reported OK has wrong bytes"
+    use = store.backend.usage()
+    assert use["corrupt_pages"] >= 1 and use["segments_quarantined"] == 1
+    assert not path.exists() and any((path.parents[2] / "quarantine").iterdir())
+    again = kit.read_back(store, groups, PAGE)
+    assert [r for r, _ in again[PoolKind.KV] + again[PoolKind.DRAFT]] == [PageResult.MISS] * 8
+    assert store.page_exists({PoolKind.KV: [f"{g}.{kit.NS[PoolKind.KV]}" for g in groups]}) == {PoolKind.KV: 0}
+    other = open_store()  # a fresh process view agrees: nothing of the quarantined segment is visible
+    assert other.page_exists({PoolKind.DRAFT: [f"{groups[0]}.{kit.NS[PoolKind.DRAFT]}"]}) == {PoolKind.DRAFT: 0}
+
+
+def test_corrupt_segment_found_at_restart_is_quarantined(open_store, kit, tmp_path: Path) -> None:
+    store = open_store()
+    good = [kit.group(i, 1) for i in range(3)]
+    doomed = [kit.group(i, 2) for i in range(3)]
+    store.page_set(kit.both(good, PAGE))
+    store.page_set(kit.both(doomed, PAGE))
+    path, _ = _locate(store, kit, doomed[0])
+    store.close()
+    os.truncate(path, path.stat().st_size - 7)  # the trailer is damaged
+    garbage = path.parent / ("0123456789abcdef-00000001.seg")
+    garbage.write_bytes(b"\x00" * 300)
+    stray = path.parent / "notes.txt"
+    stray.write_text("not a segment")
+    fresh = open_store()
+    got = kit.read_back(fresh, good + doomed, PAGE)
+    results = [r for r, _ in got[PoolKind.KV]]
+    assert results[:3] == [PageResult.OK] * 3 and results[3:] == [PageResult.MISS] * 3
+    assert all(eq for r, eq in got[PoolKind.KV][:3])
+    use = fresh.backend.usage()
+    assert use["segments_quarantined"] == 2 and use["foreign_files"] == 1
+    assert not path.exists() and not garbage.exists() and not stray.exists()
+    assert len(list((tmp_path / "store" / "quarantine").iterdir())) == 3

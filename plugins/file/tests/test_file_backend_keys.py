@@ -1,0 +1,58 @@
+"""Keys never name paths: path-escape attempts are refused per page and nothing leaves the root."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hicache_draft_file.naming import fanout_dir, is_segment_name, key_problem, segment_name
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_draft import Buffer, Page, PageResult, PageTransfer, PoolKind
+
+EVIL = [
+    "../../../etc/passwd", "/etc/passwd", "..", ".", "", "a/b.c", "ab.cd/../..", "ab\x00.cd", "AB.CD",
+    "a.b.c", "ab.cd\n", "~/x.y", "ab." + "c" * 300, "\\..\\..\\x.y", "ab .cd",
+]
+
+
+def _snapshot(base: Path) -> set[str]:
+    return {str(p.relative_to(base)) for p in base.rglob("*")}
+
+
+def test_path_escape_keys_fail_per_page_and_touch_nothing_outside(open_store, kit, tmp_path: Path) -> None:
+    outside_before = _snapshot(tmp_path) - {p for p in _snapshot(tmp_path) if p.startswith("store")}
+    store = open_store()
+    good = kit.group(7)
+    ns = kit.NS[PoolKind.KV]
+    pages = [Page(key=k, group=good, namespace=ns, buffers=(Buffer.of(bytearray(64)),)) for k in EVIL]
+    pages.append(kit.pages(PoolKind.KV, [good], 64)[0])
+    res = store.page_set([PageTransfer(PoolKind.KV, pages)])[PoolKind.KV]
+    assert res[:-1] == [PageResult.FAILED] * len(EVIL)
+    assert res[-1] is PageResult.OK
+    evil_group = [Page(key=f"{good}.{ns}", group="../x", namespace=ns, buffers=(Buffer.of(bytearray(64)),))]
+    assert store.page_set([PageTransfer(PoolKind.KV, evil_group)])[PoolKind.KV] == [PageResult.FAILED]
+    got, _ = store.page_get([PageTransfer(PoolKind.KV, [Page(k, good, ns, (Buffer.of(bytearray(64)),)) for k in EVIL])])
+    assert got[PoolKind.KV] == [PageResult.FAILED] * len(EVIL)
+    assert store.page_exists({PoolKind.KV: EVIL}) == {PoolKind.KV: 0}
+    outside_after = {p for p in _snapshot(tmp_path) if not p.startswith("store")}
+    assert outside_after == outside_before
+    for p in (tmp_path / "store").rglob("*"):  # every name under the root is the backend's own
+        assert os.path.realpath(p).startswith(str((tmp_path / "store").resolve()))
+
+
+@given(st.text(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_any_accepted_key_is_plain_hex_and_dot(key: str) -> None:
+    if key_problem(key) is None:
+        head, _, tail = key.partition(".")
+        assert head and tail and "/" not in key and ".." not in key and not os.path.isabs(key)
+        assert set(head + tail) <= set("0123456789abcdef") and len(key) <= 255
+
+
+@given(st.text(alphabet="0123456789abcdef", min_size=16, max_size=16), st.integers(0, 2**40))
+def test_segment_names_are_plain_and_fanned_out(writer: str, seq: int) -> None:
+    name = segment_name(writer, seq)
+    assert is_segment_name(name) and "/" not in name
+    assert len(fanout_dir(name)) == 2 and int(fanout_dir(name), 16) < 256

@@ -27,6 +27,7 @@ from hicache_draft.demo.models import TinyLM
 from hicache_draft.demo.paged import device_to_host, host_to_device
 from hicache_draft.demo.pairs import make_pair, make_prompt
 from hicache_draft.demo.spec_decode import SpecEngine
+from hicache_draft.transfer import Buffer
 
 Progress = Callable[[str], None]
 
@@ -73,7 +74,8 @@ def device() -> torch.device:
 
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's raw bytes (to compare logits across processes, bit for bit)."""
-    raw = t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    flat = t.detach().to("cpu").contiguous().view(torch.uint8).view(-1)
+    raw = bytes(Buffer(flat.data_ptr(), flat.numel(), owner=flat).view())
     return hashlib.sha256(raw).hexdigest()
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from hicache_draft.transfer import Buffer
+
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
@@ -46,7 +48,8 @@ class _HostPoolDouble:
 
     def page_bytes(self, index: int) -> bytes:
         """The bytes of ``get_data_page(index, flat=True)``."""
-        return self.get_data_page(index, flat=True).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        flat = self.get_data_page(index, flat=True).contiguous().view(-1).view(torch.uint8)
+        return bytes(Buffer(flat.data_ptr(), flat.numel(), owner=flat).view())
 
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
         raise NotImplementedError

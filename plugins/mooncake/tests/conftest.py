@@ -1,6 +1,5 @@
 """Helpers shared by the mooncake backend tests (fixtures come from hicache_draft_mooncake.pytest_plugin)."""
 
-import ctypes
 import secrets
 from dataclasses import dataclass, field
 
@@ -62,19 +61,6 @@ def make_rig(kind=PoolKind.KV, attention=Attention.MHA, layout=Layout.PAGE_FIRST
     )
     return Rig(kind, attention, layout, HostPool(spec, num_pages, allocator=allocator),
                [i.fingerprint() for i in idents], split)
-
-
-def host_allocator(store: Store, kind: PoolKind = PoolKind.KV):
-    """What the controller does with the ``host_memory`` hook: an allocator over the backend's
-    memory, or None when the backend offers none (TCP mode)."""
-    if store.host_memory(kind, 1) is None:
-        return None
-
-    def alloc(nbytes: int) -> torch.Tensor:
-        buf = store.host_memory(kind, nbytes)
-        return torch.frombuffer((ctypes.c_ubyte * buf.nbytes).from_address(buf.ptr), dtype=torch.uint8)
-
-    return alloc
 
 
 def groups(n: int) -> list[str]:

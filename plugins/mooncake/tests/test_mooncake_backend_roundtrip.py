@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from hicache_draft import HEADER_SIZE, Attention, Layout, PageResult, PoolKind, parse_header, verify_payload
 
-from .conftest import host_allocator, make_rig
+from .conftest import make_rig
 
 OK = PageResult.OK
 CASES = [
@@ -22,7 +22,7 @@ def _ids(case):
 @pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
 def test_target_and_draft_round_trip_all_layouts(open_store, new_groups, shm):
     store = open_store(shm=shm)
-    alloc = host_allocator(store)
+    alloc = store.backend.host_allocator()
     assert (alloc is not None) == shm
     for attention, layout in CASES:
         writers = [make_rig(kind, attention, layout, allocator=alloc, model=f"m-{kind}") for kind in PoolKind]

@@ -125,10 +125,12 @@ class HostPool:
     def wrap(cls, spec: PoolSpec, buffer: torch.Tensor) -> HostPool:
         """A pool over existing memory (e.g. an SGLang host pool's ``kv_buffer``).
 
-        ``buffer`` must be contiguous, of ``spec.dtype``, and shaped as the layout table says.
+        ``buffer`` must be contiguous, of ``spec.dtype``, and shaped as the layout table says. It may
+        live on a GPU: such a pool has the same page geometry (for region-by-region copies between
+        device and host pools) but no :meth:`page_buffers`.
         """
-        if not buffer.is_contiguous() or buffer.dtype != spec.dtype or buffer.device.type != "cpu":
-            raise ValueError("wrapped buffer must be a contiguous CPU tensor of the spec's dtype")
+        if not buffer.is_contiguous() or buffer.dtype != spec.dtype:
+            raise ValueError("wrapped buffer must be a contiguous tensor of the spec's dtype")
         per_page = spec.page_nbytes
         nbytes = buffer.numel() * buffer.element_size()
         if nbytes % per_page:
@@ -202,20 +204,28 @@ class HostPool:
         return self.spec.page_nbytes // split
 
     # -- zero-copy ------------------------------------------------------------------------
-    def page_buffers(self, slot: int, part: int = 0, split: int = 1) -> tuple[Buffer, ...]:
-        """Contiguous regions of pool memory that make up the page (or head part), in order."""
+    def page_regions(self, slot: int, part: int = 0, split: int = 1) -> list[torch.Tensor]:
+        """The contiguous tensor regions that make up the page (or head part), in order.
+
+        Use them for bulk copies (one ``copy_`` per region between two pools of the same geometry,
+        e.g. a device pool made with :meth:`wrap` and this host pool) and for zero-copy I/O.
+        """
         view = self.part_view(slot, part, split)
         if not self.spec.zero_copy_parts(split):
             raise ValueError(f"layout {self.spec.layout.value} has no contiguous head parts")
         s = self.spec
         if s.attention is Attention.MHA:
-            regions = [view[kv, layer] for kv in (0, 1) for layer in range(s.layers)] if (
-                s.layout is Layout.LAYER_FIRST
-            ) else [view[0], view[1]]
-        else:
-            regions = [view[layer] for layer in range(s.layers)] if s.layout is Layout.LAYER_FIRST else [view]
+            if s.layout is Layout.LAYER_FIRST:
+                return [view[kv, layer] for kv in (0, 1) for layer in range(s.layers)]
+            return [view[0], view[1]]
+        return [view[layer] for layer in range(s.layers)] if s.layout is Layout.LAYER_FIRST else [view]
+
+    def page_buffers(self, slot: int, part: int = 0, split: int = 1) -> tuple[Buffer, ...]:
+        """The page's (part's) regions as :class:`Buffer` objects for a backend (host memory only)."""
+        if self.raw.device.type != "cpu":
+            raise ValueError("page buffers exist only for host (CPU) pools")
         out = []
-        for r in regions:
+        for r in self.page_regions(slot, part, split):
             assert r.is_contiguous(), "page region must be contiguous"
             out.append(Buffer(r.data_ptr(), r.numel() * r.element_size(), owner=self))
         return tuple(out)

@@ -110,3 +110,23 @@ def test_wrap_and_allocator():
 def test_not_pinned_without_cuda():
     p = _pool(Attention.MHA, Layout.PAGE_FIRST)
     assert p.raw.is_pinned() == torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(("att", "lay"), LAYOUTS)
+def test_regions_copy_between_pools_of_one_geometry(att, lay):
+    src = _pool(att, lay)
+    dst = HostPool.wrap(src.spec, torch.zeros_like(src.buffer))
+    for host, other in zip(src.page_regions(8), dst.page_regions(8), strict=True):
+        assert host.is_contiguous() and other.is_contiguous()
+        other.copy_(host)
+    assert dst.page_bytes(8) == src.page_bytes(8)
+    assert dst.page_bytes(0) == bytes(src.spec.page_nbytes)
+
+
+def test_device_pools_have_geometry_but_no_buffers():
+    spec = PoolSpec(kind=PoolKind.KV, attention=Attention.MHA, layers=2, page_size=4, dtype=torch.float16,
+                    layout=Layout.PAGE_FIRST_DIRECT, kv_heads=2, head_dim=8)
+    dev = HostPool.wrap(spec, torch.empty(2, 3, 2, 4, 2, 8, dtype=torch.float16, device="meta"))
+    assert [tuple(r.shape) for r in dev.page_regions(4)] == [(2, 4, 2, 8), (2, 4, 2, 8)]
+    with pytest.raises(ValueError, match="host"):
+        dev.page_buffers(4)

@@ -13,6 +13,8 @@ import time
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from rich.table import Table
+
 from hicache_draft.capabilities import PoolKind
 from hicache_draft.hookspecs import hookimpl
 from hicache_draft.transfer import PageResult, PageTransfer
@@ -72,6 +74,22 @@ class Metrics:
     def snapshot(self) -> dict[str, dict[str, float]]:
         with self._lock:
             return {p.value: asdict(c) for p, c in self.pools.items()}
+
+
+def metrics_table(snapshot: Mapping[str, Mapping[str, float]], title: str = "offload metrics") -> Table:
+    """A rich table of a :meth:`Metrics.snapshot` (one column per pool)."""
+    pools = list(snapshot)
+    table = Table(title=title)
+    table.add_column("counter")
+    for pool in pools:
+        table.add_column(pool, justify="right")
+    for name in PoolCounters.__dataclass_fields__:
+        cells = []
+        for pool in pools:
+            v = snapshot[pool].get(name, 0)
+            cells.append(f"{v:.4f}" if isinstance(v, float) else str(v))
+        table.add_row(name, *cells)
+    return table
 
 
 class CallTimer:

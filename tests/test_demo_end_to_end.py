@@ -48,6 +48,12 @@ def test_restart_restores_both_pools_and_keeps_accept_length(report, index):
     acc = p["accept_length"]
     assert acc["first"] >= 2.0  # the draft is useful at all
     assert acc["after_restart"] >= 0.9 * acc["first"]
+    m = p["metrics"]
+    assert m["first"]["kv"]["pages_written"] == p["pages_backed_up"]["kv"]
+    assert m["first"]["draft"]["pages_written"] == p["pages_backed_up"]["draft"]
+    assert m["after_restart"]["kv"]["hits"] == restored["kv"]
+    assert m["after_restart"]["draft"]["hits"] == restored["draft"]
+    assert m["control_no_draft"]["draft"]["hits"] == 0
 
 
 @pytest.mark.parametrize("index", [0, 1])

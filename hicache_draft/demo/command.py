@@ -10,7 +10,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from hicache_draft.capabilities import Attention
 from hicache_draft.demo.phases import Phase
-from hicache_draft.demo.report import render
+from hicache_draft.demo.report import render, render_metrics
 from hicache_draft.demo.runner import PHASES, DemoOptions, run_demo
 from hicache_draft.errors import ConfigError, HiCacheDraftError, PluginError
 
@@ -37,10 +37,11 @@ _PHASE_NAMES = {Phase.FIRST: "run 1", Phase.AFTER_RESTART: "restart", Phase.CONT
 @click.option("--jobs", type=click.IntRange(min=1), default=2, show_default=True,
               help="Pairs run side by side (each pair's runs stay in order).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--metrics", "show_metrics", is_flag=True, help="Also print the controller's per-pool metrics.")
 def demo(
     backend: str | None, config_path: str | None, root: str | None, pairs: tuple[str, ...], prompt_tokens: int,
     period: int, decode_tokens: int, draft_tokens: int, page_size: int | None, seed: int, phase_timeout_s: float,
-    jobs: int, as_json: bool,
+    jobs: int, as_json: bool, show_metrics: bool,
 ) -> None:
     """Restart a speculative-decoding server and see whether the draft KV came back.
 
@@ -75,3 +76,5 @@ def demo(
         click.echo(json.dumps(report, indent=2))
     else:
         render(report, console)
+        if show_metrics:
+            render_metrics(report, console)

@@ -11,6 +11,7 @@ from hicache_draft.capabilities import PoolKind
 from hicache_draft.config import Config
 from hicache_draft.demo.pairs import Pair, identity
 from hicache_draft.demo.phases import Phase
+from hicache_draft.metrics import metrics_table
 
 
 def pair_report(pair: Pair, config: Config, results: dict[Phase, dict[str, Any]]) -> dict[str, Any]:
@@ -45,11 +46,24 @@ def pair_report(pair: Pair, config: Config, results: dict[Phase, dict[str, Any]]
         "checks": checks,
         "logits_match_first_run": same_as_first,
         "io_paths": after["io_paths"],
+        "metrics": {
+            "first": first.get("metrics", {}),
+            "after_restart": after.get("metrics", {}),
+            "control_no_draft": control.get("metrics", {}),
+        },
     }
 
 
 def _ok(flag: bool) -> str:
     return "[green]yes[/]" if flag else "[red]NO[/]"
+
+
+def render_metrics(report: dict[str, Any], console: Console) -> None:
+    """The controller's per-pool metrics of every run (``--metrics``)."""
+    for p in report["pairs"]:
+        for run, snap in p["metrics"].items():
+            if snap:
+                console.print(metrics_table(snap, title=f"{p['attention']} {run.replace('_', ' ')}: offload metrics"))
 
 
 def render(report: dict[str, Any], console: Console) -> None:

@@ -43,13 +43,18 @@ log = logging.getLogger("hicache_draft.controller")
 
 @dataclass
 class BackupResult:
-    """What a backup stored. ``pages_written``/``failed`` per pool; ``pages`` asked for."""
+    """What a backup stored. ``pages_written``/``failed`` per pool; ``pages`` asked for.
+
+    ``released``: False only if a timed-out backend call may still read the host slots; do not
+    overwrite them before the operation's :meth:`Operation.wait_released` returns True.
+    """
 
     pages: int
     pages_written: dict[PoolKind, int] = field(default_factory=dict)
     failed: dict[PoolKind, int] = field(default_factory=dict)
     not_writer: list[PoolKind] = field(default_factory=list)
     dropped: bool = False
+    released: bool = True  # False: a timed-out call may still read the host slots; see Operation.wait_released
 
 
 @dataclass
@@ -340,8 +345,12 @@ class CacheController:
             if not transfers:
                 break
             t0 = time.perf_counter()
-            res = self.store.page_set(transfers)
+            res, io_done = self.store.page_set_tracked(transfers)
             dt = time.perf_counter() - t0
+            if not io_done.done():
+                result.released = False
+                if _op is not None:
+                    _op._track(io_done)
             for kind, st in writers:
                 r = res[kind]
                 self.metrics.record_set(kind, r, st.part_nbytes, dt / len(writers))
@@ -477,7 +486,9 @@ class CacheController:
     def backup_async(
         self, token_ids: Sequence[int], host_slots: Sequence[int], prior_hash: str | None = None
     ) -> Operation:
-        """Back up off the caller's thread. Do not overwrite ``host_slots`` until it is done."""
+        """Back up off the caller's thread. Do not overwrite ``host_slots`` until
+        :meth:`Operation.wait_released` returns True (it waits for the operation and for any
+        backend call that outlived its timeout)."""
         return self._submit(self.backup, list(token_ids), list(host_slots), prior_hash,
                             empty=BackupResult(pages=0))
 

@@ -188,10 +188,18 @@ class Store:
     def page_set(
         self, transfers: Sequence[PageTransfer], timeout_s: float | None = None
     ) -> dict[PoolKind, list[PageResult]]:
-        """Store pages; per-page results, never raises. Waits for a timed-out call's buffers
-        to be released only up to the timeout (the caller's buffers stay owned by this call)."""
+        """Store pages; per-page results, never raises. See :meth:`page_set_tracked` when the
+        buffers are pool memory that will be reused."""
         results, _ = self._per_page("page_set", transfers, timeout_s)
         return results
+
+    def page_set_tracked(
+        self, transfers: Sequence[PageTransfer], timeout_s: float | None = None
+    ) -> tuple[dict[PoolKind, list[PageResult]], Future[Any]]:
+        """Like :meth:`page_set`, plus a future that completes when the backend no longer reads
+        the buffers (already done unless the call timed out): zero-copy pages must not be
+        overwritten before it completes, or a late write could store other bytes under the key."""
+        return self._per_page("page_set", transfers, timeout_s)
 
     def page_get(
         self, transfers: Sequence[PageTransfer], timeout_s: float | None = None

@@ -400,3 +400,14 @@ def test_backend_can_provide_host_pool_memory():
     writer.backup(toks, slots(range(3)))
     assert reader.prefetch(toks, slots(range(4, 7))).pages == 3
     assert _same(writer, reader, slots(range(3)), slots(range(4, 7)), DRAFT)
+
+
+def test_timed_out_backup_keeps_slots_until_the_backend_lets_go():
+    writer, _ = _pair(make_config(timeout_s=0.3))
+    MemoryBackend.faults = Faults(delay_s={"page_set": 1.0})
+    op = writer.backup_async(tokens(2), slots(range(2)))
+    res = op.result(timeout=10)
+    assert res.pages_written == {KV: 0, DRAFT: 0} and res.released is False
+    assert not op.wait_released(timeout=0.01)
+    assert op.wait_released(timeout=5.0)
+    writer.close()

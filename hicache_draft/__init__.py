@@ -7,6 +7,7 @@ Public API for users and backend authors; plugins import only from here.
 from hicache_draft.backend import BackendContext, NoOptions, StorageBackend
 from hicache_draft.capabilities import Attention, Capabilities, IOPath, Layout, PoolCapability, PoolKind
 from hicache_draft.config import Config, OnMiss, PrefetchPolicy, load_config
+from hicache_draft.controller import BackupResult, CacheController, Operation, PrefetchResult
 from hicache_draft.errors import (
     BackendSetupError,
     ConfigError,
@@ -15,7 +16,8 @@ from hicache_draft.errors import (
     UnknownBackendError,
 )
 from hicache_draft.hookspecs import API_VERSION, hookimpl
-from hicache_draft.keys import make_key, page_hashes
+from hicache_draft.keys import make_key, page_hashes, pool_identities
+from hicache_draft.metrics import CallTimer, Metrics
 from hicache_draft.page_format import (
     HEADER_SIZE,
     HeaderProblem,
@@ -25,6 +27,7 @@ from hicache_draft.page_format import (
     parse_header,
     verify_payload,
 )
+from hicache_draft.paths import PathChoice, plan_paths
 from hicache_draft.plugins import (
     BackendInfo,
     discover_backends,
@@ -39,6 +42,15 @@ from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolR
 __version__ = "0.1.0"
 
 __all__ = [
+    "plan_paths",
+    "PathChoice",
+    "Metrics",
+    "CallTimer",
+    "pool_identities",
+    "PrefetchResult",
+    "Operation",
+    "CacheController",
+    "BackupResult",
     "API_VERSION",
     "HEADER_SIZE",
     "Attention",

@@ -1,16 +1,31 @@
-"""The ``mooncake`` storage backend: one Mooncake object per page, header first, zero-copy.
+"""The ``mooncake`` storage backend: one Mooncake object per page, header first.
 
-A page is stored as ONE object built by ``batch_put_from_multi_buffers`` from the 64-byte core
-header followed by the page's buffers (K and V, or every layer's buffer), and read back with
-``batch_get_into_multi_buffers`` into a small registered header slot plus the destination
-buffers. The header (key digest, namespace, pool, payload length, xxh3_64 of the payload) is
-verified before a page is reported ``OK``; anything else is ``CORRUPT``. Nothing is copied
-through Python bytes: Mooncake reads and writes the host pool's memory directly.
+A page is stored as ONE object: the 64-byte core header (key digest, namespace, pool, payload
+length, xxh3_64 of the payload) followed by the page's raw bytes. Two ways to move it (option
+``io_mode``, see :class:`~hicache_draft_mooncake.options.MooncakeOptions`):
 
-Puts skip keys the store already holds (one ``batch_is_exist`` per batch; equal keys hold equal
-bytes). Existence is one ``batch_is_exist`` per query. Every call checks its deadline between
-native batches; after a master RPC failure the backend answers at once for ``retry_interval_s``
-(see :mod:`hicache_draft_mooncake.breaker`).
+* **direct**: ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` over a small
+  registered header slot plus the page's own buffers (K and V, or every layer's buffer): zero
+  copy, ``1 + buffers`` transfers per page.
+* **staged**: the header and the page are copied with ``memmove`` into one slot of a registered,
+  reused staging arena and moved with ``batch_put_from`` / ``batch_get_into``: one transfer per
+  page. On a get the header and checksum are verified on the staging bytes before anything is
+  copied to the destination.
+
+The header is checked on every read: the expected header is rebuilt from the bytes that
+arrived (one xxh3 pass) and compared; a mismatch is diagnosed with the core's
+``parse_header``/``verify_payload`` and counted ``CORRUPT``. Nothing goes through Python bytes
+objects; checksums run over memoryviews of registered memory.
+
+Large batches are pipelined (:mod:`hicache_draft_mooncake.pipeline`): checksums and copies of one
+sub-batch overlap the native transfer of the next. Puts skip keys the store already holds (one
+``batch_is_exist`` per batch; equal keys hold equal bytes); existence is one ``batch_is_exist``
+for all pools' keys. Every call checks its deadline between native calls; after a master RPC
+failure the backend answers at once for ``retry_interval_s`` (see
+:mod:`hicache_draft_mooncake.breaker`).
+
+In shared-memory mode the backend offers host pool memory through the core's ``host_memory``
+hook (memory from the segment holder's shared pool), so pages move without a bounce copy.
 """
 
 from __future__ import annotations
@@ -20,11 +35,10 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
-
-import torch
 
 from hicache_draft import (
     HEADER_SIZE,
@@ -46,10 +60,10 @@ from hicache_draft import (
     parse_header,
     verify_payload,
 )
-from hicache_draft_mooncake import codes
+from hicache_draft_mooncake import codes, pipeline
 from hicache_draft_mooncake.breaker import Breaker
 from hicache_draft_mooncake.client import connect
-from hicache_draft_mooncake.memory import Memory
+from hicache_draft_mooncake.memory import Arena, Memory
 from hicache_draft_mooncake.options import MooncakeOptions
 
 log = logging.getLogger("hicache_draft_mooncake")
@@ -61,17 +75,37 @@ _POOL = PoolCapability(
     max_buffers_per_page=None,
 )
 
-Item = tuple[PoolKind, int, Page]
-Span = tuple[int, int]  # (ptr, nbytes)
+EXIST_BATCH_KEYS = 4096
+"""Keys per ``batch_is_exist`` call in ``page_exists`` (one RPC for any usual prefetch)."""
+
+OK, MISS, CORRUPT, FAILED = PageResult.OK, PageResult.MISS, PageResult.CORRUPT, PageResult.FAILED
+_STAT = {OK: "get", MISS: "miss", CORRUPT: "corrupt", FAILED: "failed"}
 
 
-def _chunks(items: list[Item], n: int) -> Iterator[list[Item]]:
+@dataclass(slots=True)
+class _Job:
+    """One page of one call: where its result goes, its Mooncake key and its size."""
+
+    pool: PoolKind
+    index: int
+    page: Page
+    key: str
+    nbytes: int
+
+
+@dataclass(slots=True)
+class _Sub:
+    """A prepared sub-batch: its jobs, the arena it borrowed and the native call's arguments."""
+
+    jobs: list[_Job]
+    arena: Arena | None = None
+    ptrs: list[Any] = field(default_factory=list)
+    sizes: list[Any] = field(default_factory=list)
+
+
+def _chunks(items: list[_Job], n: int) -> Iterator[list[_Job]]:
     for i in range(0, len(items), n):
         yield items[i : i + n]
-
-
-def _views(spans: Sequence[Span]) -> list[memoryview]:
-    return [Buffer(p, n).view() for p, n in spans]
 
 
 class MooncakeBackend(StorageBackend):
@@ -98,18 +132,10 @@ class MooncakeBackend(StorageBackend):
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         self._closed = False
+        self._worker: ThreadPoolExecutor | None = None
         self.stats: Counter[str] = Counter()
 
     # -- helpers ---------------------------------------------------------------------------
-    def host_allocator(self) -> Callable[[int], torch.Tensor] | None:
-        """An allocator for host pools whose pages this backend can move without a copy.
-
-        Shared-memory mode: memory from the segment holder's shared pool (pass it to
-        ``HostPool(spec, n, allocator=...)``; keep the backend open while the pool is used).
-        TCP mode: ``None`` (any host memory works).
-        """
-        return self._mem.tensor if self.opts.shm else None
-
     def key(self, page: Page) -> str:
         """The Mooncake key of a page."""
         return self.opts.key_prefix + page.key
@@ -121,9 +147,10 @@ class MooncakeBackend(StorageBackend):
             self._logged.add(what)
         (log.warning if first else log.debug)(msg, *args)
 
-    def _count(self, what: str, n: int = 1) -> None:
-        with self._lock:
-            self.stats[what] += n
+    def _merge(self, counts: Counter[str]) -> None:
+        if counts:
+            with self._lock:
+                self.stats.update(counts)
 
     def _probe(self) -> bool:
         try:
@@ -138,6 +165,8 @@ class MooncakeBackend(StorageBackend):
 
     def _codes_seen(self, op: str, rcs: Sequence[int]) -> None:
         bad = {c for c in rcs if c < 0}
+        if not bad:
+            return
         if bad & codes.RPC_CODES or (op == "exist" and codes.INTERNAL_ERROR in bad):
             self._breaker.trip()
             self._note("master_unreachable", "mooncake master %s did not answer (%s); pages count as misses "
@@ -153,28 +182,67 @@ class MooncakeBackend(StorageBackend):
         self._codes_seen("exist", rcs)
         return rcs
 
-    def _place(self, stack: ExitStack, pages: Sequence[Page]) -> list[tuple[list[Span], bool]]:
-        """Where Mooncake reads/writes each page: its own buffers, or (shm mode, buffers outside
-        the shared pool) a borrowed shared-memory bounce region. Returns (spans, bounced)."""
-        placed: list[tuple[list[Span], bool]] = []
-        if self._mem.shm:
-            outside = [not all(self._mem.contains(b.ptr, b.nbytes) for b in p.buffers) for p in pages]
-        else:
-            outside = [False] * len(pages)
-        if any(outside):
-            total = sum(p.nbytes for p, o in zip(pages, outside, strict=True) if o)
-            base = stack.enter_context(self._mem.arena(total))
-            self._count("bounced_pages", sum(outside))
-        off = 0
-        for page, out in zip(pages, outside, strict=True):
-            if out:
-                placed.append(([(base + off, page.nbytes)], True))
-                off += page.nbytes
+    def _pool_worker(self) -> ThreadPoolExecutor | None:
+        """The persistent thread native calls run on while the caller checksums (pipelining)."""
+        if self.opts.pipeline_bytes <= 0:
+            return None
+        with self._lock:
+            if self._worker is None and not self._closed:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-draft-mooncake-io")
+            return self._worker
+
+    def _jobs(self, transfers: Sequence[PageTransfer]) -> list[_Job]:
+        prefix = self.opts.key_prefix
+        return [
+            _Job(t.pool, i, p, prefix + p.key, sum(b.nbytes for b in p.buffers))
+            for t in transfers
+            for i, p in enumerate(t.pages)
+        ]
+
+    def _split(self, jobs: list[_Job], counts: Counter[str]) -> tuple[list[_Job], list[_Job]]:
+        """(staged, direct) jobs, by ``io_mode`` and, in shm mode, by where the buffers live."""
+        staged: list[_Job] = []
+        direct: list[_Job] = []
+        mode = self.opts.io_mode
+        shm = self._mem.shm
+        limit = self.opts.staged_max_page_bytes
+        auto_stage = mode == "auto" and not shm and self.opts.protocol == "tcp"
+        for job in jobs:
+            if shm and not self._mem.inside(job.page.buffers):
+                counts["bounced_pages"] += 1
+                staged.append(job)
+            elif mode == "staged" or (auto_stage and job.nbytes <= limit):
+                staged.append(job)
             else:
-                placed.append(([(b.ptr, b.nbytes) for b in page.buffers], False))
-        return placed
+                direct.append(job)
+        counts["staged_pages"] += len(staged)
+        return staged, direct
+
+    def _subs(self, jobs: list[_Job], staged: bool) -> list[list[_Job]]:
+        limit = self.opts.pipeline_bytes
+        if staged:
+            limit = min(limit, self.opts.max_staging_bytes) if limit > 0 else self.opts.max_staging_bytes
+        return pipeline.split_by_bytes(jobs, lambda j: j.nbytes + HEADER_SIZE, limit)
+
+    def _release(self, sub: _Sub) -> None:
+        if sub.arena is not None:
+            self._mem.give_back(sub.arena)
+            sub.arena = None
+
+    def _payload_views(self, page: Page) -> list[memoryview]:
+        return self._mem.views(page.buffers)
 
     # -- hooks -----------------------------------------------------------------------------
+    @hookimpl
+    def host_memory(self, pool: PoolKind, nbytes: int) -> Buffer | None:
+        """Shared-memory mode: host pool memory from the segment holder's shared pool (registered,
+        so pages move without a bounce copy; valid until the backend closes). TCP mode: ``None``."""
+        if not self._mem.shm:
+            return None
+        ptr, arr = self._mem.allocate(nbytes)
+        log.debug("mooncake: %d bytes of shared memory for the %r host pool at %#x", nbytes, pool.value, ptr)
+        return Buffer(ptr, nbytes, owner=arr)
+
     @hookimpl
     def register_pool(self, registration: PoolRegistration) -> None:
         outside = 0
@@ -184,142 +252,250 @@ class MooncakeBackend(StorageBackend):
         if outside:
             log.warning(
                 "mooncake shared-memory mode: %d region(s) of pool %r are not in the shared pool, so its pages "
-                "go through a bounce copy; allocate host pools with backend.host_allocator() for zero copy",
+                "go through a staging copy; let the controller allocate host pools (host_memory hook) for zero copy",
                 outside, registration.pool.value,
             )
 
     @hookimpl
     def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
-        results = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
-        items = [(t.pool, i, p) for t in transfers for i, p in enumerate(t.pages)]
-        if not items or not self._open():
+        results = {t.pool: [FAILED] * len(t.pages) for t in transfers}
+        jobs = self._jobs(transfers)
+        if not jobs or not self._open():
             return results
-        for chunk in _chunks(items, self.opts.max_batch_pages):
-            if time.monotonic() >= deadline or self._breaker.down or self._closed:
-                break
-            try:
-                self._set_chunk(chunk, results)
-            except Exception as exc:  # noqa: BLE001 (per-page failures, never an exception)
-                self._note(f"set:{type(exc).__name__}", "mooncake put failed: %s: %s", type(exc).__name__, exc)
+        counts: Counter[str] = Counter()
+        try:
+            for chunk in _chunks(jobs, self.opts.max_batch_pages):
+                if time.monotonic() >= deadline or self._breaker.down or self._closed:
+                    break
+                try:
+                    self._set_chunk(chunk, results, deadline, counts)
+                except Exception as exc:  # noqa: BLE001 (per-page failures, never an exception)
+                    self._note(f"set:{type(exc).__name__}", "mooncake put failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            self._merge(counts)
         return results
 
-    def _set_chunk(self, chunk: list[Item], results: dict[PoolKind, list[PageResult]]) -> None:
-        keys = [self.key(p) for _, _, p in chunk]
-        present = self._exist(keys)
-        todo: list[tuple[Item, str]] = []
-        for item, key, rc in zip(chunk, keys, present, strict=True):
+    def _set_chunk(
+        self, chunk: list[_Job], results: dict[PoolKind, list[PageResult]], deadline: float, counts: Counter[str]
+    ) -> None:
+        present = self._exist([j.key for j in chunk])
+        todo: list[_Job] = []
+        for job, rc in zip(chunk, present, strict=True):
             if rc == 1:
-                results[item[0]][item[1]] = PageResult.OK
-                self._count("put_skipped")
+                results[job.pool][job.index] = OK
+                counts["put_skipped"] += 1
             elif rc == 0:
-                todo.append((item, key))
+                todo.append(job)
         if not todo or self._breaker.down:
             return
-        with ExitStack() as stack:
-            hdr = stack.enter_context(self._mem.arena(HEADER_SIZE * len(todo)))
-            placed = self._place(stack, [it[2] for it, _ in todo])
-            ptrs: list[list[int]] = []
-            sizes: list[list[int]] = []
-            for j, ((pool, _, page), _key) in enumerate(todo):
-                spans, bounced = placed[j]
-                src = [b.view() for b in page.buffers]
-                if bounced:
-                    dst = spans[0][0]
-                    for b in page.buffers:
-                        ctypes.memmove(dst, b.ptr, b.nbytes)
-                        dst += b.nbytes
-                header = make_header(page.key, page.namespace, pool, src)
-                ctypes.memmove(hdr + j * HEADER_SIZE, header, HEADER_SIZE)
-                ptrs.append([hdr + j * HEADER_SIZE, *(p for p, _ in spans)])
-                sizes.append([HEADER_SIZE, *(n for _, n in spans)])
-            rcs = list(self._store.batch_put_from_multi_buffers([k for _, k in todo], ptrs, sizes, self._cfg))
-        if len(rcs) != len(todo):
-            rcs = [codes.INTERNAL_ERROR] * len(todo)
+        staged, direct = self._split(todo, counts)
+        worker = self._pool_worker()
+        for group, is_staged in ((staged, True), (direct, False)):
+            if not group or time.monotonic() >= deadline:
+                continue
+            prepare = self._prepare_staged_put if is_staged else self._prepare_direct_put
+            native = self._native_put_staged if is_staged else self._native_put_direct
+
+            def finish(sub: list[_Job], prep: _Sub, rcs: list[int] | None) -> None:
+                self._finish_put(sub, rcs, results, counts)
+
+            pipeline.run(self._subs(group, is_staged), prepare, native, finish, self._release, worker, deadline)
+
+    def _prepare_staged_put(self, jobs: list[_Job]) -> _Sub:
+        sizes = [HEADER_SIZE + j.nbytes for j in jobs]
+        arena = self._mem.borrow(sum(sizes))
+        sub = _Sub(jobs, arena, sizes=sizes)
+        mv, base, off = arena.view, arena.ptr, 0
+        memmove = ctypes.memmove
+        for job, size in zip(jobs, sizes, strict=True):
+            dst = base + off + HEADER_SIZE
+            for b in job.page.buffers:
+                memmove(dst, b.ptr, b.nbytes)
+                dst += b.nbytes
+            payload = mv[off + HEADER_SIZE : off + size]
+            mv[off : off + HEADER_SIZE] = make_header(job.page.key, job.page.namespace, job.pool, (payload,))
+            sub.ptrs.append(base + off)
+            off += size
+        return sub
+
+    def _prepare_direct_put(self, jobs: list[_Job]) -> _Sub:
+        arena = self._mem.borrow(HEADER_SIZE * len(jobs))
+        sub = _Sub(jobs, arena)
+        mv, base = arena.view, arena.ptr
+        for n, job in enumerate(jobs):
+            page = job.page
+            off = n * HEADER_SIZE
+            mv[off : off + HEADER_SIZE] = make_header(page.key, page.namespace, job.pool, self._payload_views(page))
+            sub.ptrs.append([base + off, *(b.ptr for b in page.buffers)])
+            sub.sizes.append([HEADER_SIZE, *(b.nbytes for b in page.buffers)])
+        return sub
+
+    def _native_put_staged(self, sub: _Sub) -> list[int]:
+        return list(self._store.batch_put_from([j.key for j in sub.jobs], sub.ptrs, sub.sizes, self._cfg))
+
+    def _native_put_direct(self, sub: _Sub) -> list[int]:
+        return list(self._store.batch_put_from_multi_buffers([j.key for j in sub.jobs], sub.ptrs, sub.sizes,
+                                                             self._cfg))
+
+    def _finish_put(
+        self, jobs: list[_Job], rcs: list[int] | None, results: dict[PoolKind, list[PageResult]],
+        counts: Counter[str],
+    ) -> None:
+        if rcs is None:
+            counts["put_not_sent"] += len(jobs)
+            return
+        if len(rcs) != len(jobs):
+            rcs = [codes.INTERNAL_ERROR] * len(jobs)
         self._codes_seen("put", rcs)
-        for ((pool, i, _), _), rc in zip(todo, rcs, strict=True):
-            results[pool][i] = codes.put_result(rc)
-            self._count("put" if rc == 0 else "put_failed")
+        counts["put_batches"] += 1
+        for job, rc in zip(jobs, rcs, strict=True):
+            res = codes.put_result(rc)
+            results[job.pool][job.index] = res
+            counts["put" if res is OK else "put_failed"] += 1
 
     @hookimpl
     def page_get(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
-        results = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
-        items = [(t.pool, i, p) for t in transfers for i, p in enumerate(t.pages)]
-        if not items or not self._open():
+        results = {t.pool: [FAILED] * len(t.pages) for t in transfers}
+        jobs = self._jobs(transfers)
+        if not jobs or not self._open():
             return results
-        for chunk in _chunks(items, self.opts.max_batch_pages):
-            if time.monotonic() >= deadline or self._breaker.down or self._closed:
-                break
-            try:
-                self._get_chunk(chunk, results)
-            except Exception as exc:  # noqa: BLE001 (per-page failures, never an exception)
-                for pool, i, _ in chunk:
-                    results[pool][i] = PageResult.FAILED
-                self._note(f"get:{type(exc).__name__}", "mooncake get failed: %s: %s", type(exc).__name__, exc)
+        counts: Counter[str] = Counter()
+        try:
+            for chunk in _chunks(jobs, self.opts.max_batch_pages):
+                if time.monotonic() >= deadline or self._breaker.down or self._closed:
+                    break
+                try:
+                    self._get_chunk(chunk, results, deadline, counts)
+                except Exception as exc:  # noqa: BLE001 (per-page failures, never an exception)
+                    for job in chunk:
+                        results[job.pool][job.index] = FAILED
+                    self._note(f"get:{type(exc).__name__}", "mooncake get failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            self._merge(counts)
         return results
 
-    def _get_chunk(self, chunk: list[Item], results: dict[PoolKind, list[PageResult]]) -> None:
-        with ExitStack() as stack:
-            hdr = stack.enter_context(self._mem.arena(HEADER_SIZE * len(chunk)))
-            placed = self._place(stack, [p for _, _, p in chunk])
-            ptrs = [[hdr + j * HEADER_SIZE, *(p for p, _ in spans)] for j, (spans, _) in enumerate(placed)]
-            sizes = [[HEADER_SIZE, *(n for _, n in spans)] for spans, _ in placed]
-            keys = [self.key(p) for _, _, p in chunk]
-            rcs = list(self._store.batch_get_into_multi_buffers(keys, ptrs, sizes))
-            if len(rcs) != len(chunk):
-                rcs = [codes.INTERNAL_ERROR] * len(chunk)
-            self._codes_seen("get", rcs)
-            for j, ((pool, i, page), rc) in enumerate(zip(chunk, rcs, strict=True)):
-                spans, bounced = placed[j]
-                res = codes.get_result(rc, HEADER_SIZE + page.nbytes)
-                if res is None:
-                    res = self._validate(pool, page, Buffer(hdr + j * HEADER_SIZE, HEADER_SIZE).view(), spans)
-                if res is PageResult.OK and bounced:
-                    src = spans[0][0]
-                    for b in page.buffers:
-                        ctypes.memmove(b.ptr, src, b.nbytes)
-                        src += b.nbytes
-                results[pool][i] = res
-                self._count({PageResult.OK: "get", PageResult.MISS: "miss"}.get(res, res.name.lower()))
+    def _get_chunk(
+        self, chunk: list[_Job], results: dict[PoolKind, list[PageResult]], deadline: float, counts: Counter[str]
+    ) -> None:
+        staged, direct = self._split(chunk, counts)
+        worker = self._pool_worker()
+        for group, is_staged in ((staged, True), (direct, False)):
+            if not group or time.monotonic() >= deadline:
+                continue
+            prepare = self._prepare_staged_get if is_staged else self._prepare_direct_get
+            native = self._native_get_staged if is_staged else self._native_get_direct
 
-    def _validate(self, pool: PoolKind, page: Page, header: memoryview, spans: Sequence[Span]) -> PageResult:
+            def finish(jobs: list[_Job], sub: _Sub, rcs: list[int] | None, staged: bool = is_staged) -> None:
+                self._finish_get(sub, rcs, staged, results, counts)
+
+            pipeline.run(self._subs(group, is_staged), prepare, native, finish, self._release, worker, deadline)
+
+    def _prepare_staged_get(self, jobs: list[_Job]) -> _Sub:
+        sizes = [HEADER_SIZE + j.nbytes for j in jobs]
+        arena = self._mem.borrow(sum(sizes))
+        sub = _Sub(jobs, arena, sizes=sizes)
+        off = 0
+        for size in sizes:
+            sub.ptrs.append(arena.ptr + off)
+            off += size
+        return sub
+
+    def _prepare_direct_get(self, jobs: list[_Job]) -> _Sub:
+        arena = self._mem.borrow(HEADER_SIZE * len(jobs))
+        sub = _Sub(jobs, arena)
+        for n, job in enumerate(jobs):
+            bufs = job.page.buffers
+            sub.ptrs.append([arena.ptr + n * HEADER_SIZE, *(b.ptr for b in bufs)])
+            sub.sizes.append([HEADER_SIZE, *(b.nbytes for b in bufs)])
+        return sub
+
+    def _native_get_staged(self, sub: _Sub) -> list[int]:
+        return list(self._store.batch_get_into([j.key for j in sub.jobs], sub.ptrs, sub.sizes))
+
+    def _native_get_direct(self, sub: _Sub) -> list[int]:
+        return list(self._store.batch_get_into_multi_buffers([j.key for j in sub.jobs], sub.ptrs, sub.sizes))
+
+    def _finish_get(
+        self, sub: _Sub, rcs: list[int] | None, staged: bool, results: dict[PoolKind, list[PageResult]],
+        counts: Counter[str],
+    ) -> None:
+        jobs = sub.jobs
+        if rcs is None:
+            counts["get_not_sent"] += len(jobs)
+            return
+        if len(rcs) != len(jobs):
+            rcs = [codes.INTERNAL_ERROR] * len(jobs)
+        self._codes_seen("get", rcs)
+        counts["get_batches"] += 1
+        assert sub.arena is not None
+        mv, base = sub.arena.view, sub.arena.ptr
+        memmove = ctypes.memmove
+        off = 0
+        for n, (job, rc) in enumerate(zip(jobs, rcs, strict=True)):
+            res = codes.get_result(rc, HEADER_SIZE + job.nbytes)
+            if staged:
+                if res is None:
+                    body = off + HEADER_SIZE
+                    res = self._check(job, mv[off:body], [mv[body : body + job.nbytes]])
+                    if res is OK:
+                        src = base + body
+                        for b in job.page.buffers:
+                            memmove(b.ptr, src, b.nbytes)
+                            src += b.nbytes
+                off += HEADER_SIZE + job.nbytes
+            elif res is None:
+                hoff = n * HEADER_SIZE
+                res = self._check(job, mv[hoff : hoff + HEADER_SIZE], self._payload_views(job.page))
+            results[job.pool][job.index] = res
+            counts[_STAT[res]] += 1
+
+    def _check(self, job: _Job, header: memoryview, payload: list[memoryview]) -> PageResult:
+        """``OK`` when the stored header is exactly the one these payload bytes, key, namespace and
+        pool make (one checksum pass); otherwise the core's parser says what is wrong."""
+        page = job.page
+        if bytes(header) == make_header(page.key, page.namespace, job.pool, payload):
+            return OK
         try:
-            head = parse_header(header, page.key, page.namespace, pool)
-            verify_payload(head, _views(spans), page.nbytes)
+            head = parse_header(header, page.key, page.namespace, job.pool)
+            verify_payload(head, payload, job.nbytes)
         except PageFormatError as exc:
             self._note(f"corrupt:{exc.problem.name}", "mooncake page %s is corrupt (%s); counted as a miss",
                        page.key, exc)
-            return PageResult.CORRUPT
-        return PageResult.OK
+            return CORRUPT
+        return OK
 
     @hookimpl
     def page_exists(self, queries: Mapping[PoolKind, Sequence[str]], deadline: float) -> dict[PoolKind, int]:
         out = {pool: 0 for pool in queries}
         if not any(queries.values()) or not self._open():
             return out
-        for pool, keys in queries.items():
-            n = 0
-            step = self.opts.max_batch_pages
-            for start in range(0, len(keys), step):
-                if time.monotonic() >= deadline or self._breaker.down:
-                    break
-                batch = keys[start : start + step]
-                try:
-                    rcs = self._exist([self.opts.key_prefix + k for k in batch])
-                except Exception as exc:  # noqa: BLE001 (an error counts as "not stored")
-                    self._note(f"exist:{type(exc).__name__}", "mooncake exist failed: %s", exc)
-                    break
-                lead = next((j for j, rc in enumerate(rcs) if rc != 1), len(rcs))
-                n += lead
-                if lead < len(batch):
-                    break
-            out[pool] = n
+        prefix = self.opts.key_prefix
+        keys = [prefix + k for ks in queries.values() for k in ks]
+        rcs: list[int] = []
+        for start in range(0, len(keys), EXIST_BATCH_KEYS):
+            if time.monotonic() >= deadline or self._breaker.down:
+                break
+            try:
+                rcs += self._exist(keys[start : start + EXIST_BATCH_KEYS])
+            except Exception as exc:  # noqa: BLE001 (an error counts as "not stored")
+                self._note(f"exist:{type(exc).__name__}", "mooncake exist failed: %s", exc)
+                break
+        start = 0
+        for pool, ks in queries.items():
+            mine = rcs[start : start + len(ks)]
+            start += len(ks)
+            out[pool] = next((j for j, rc in enumerate(mine) if rc != 1), len(mine))
         return out
 
     @hookimpl
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
         self._mem.release()
         try:
             self._store.close()
@@ -327,7 +503,12 @@ class MooncakeBackend(StorageBackend):
             log.warning("mooncake close failed: %s", exc)
 
     # -- introspection (tests, CLI) ----------------------------------------------------------
+    def in_shared_memory(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` is shared-memory-pool memory this backend handed out
+        (always False in TCP mode)."""
+        return self._mem.shm and self._mem.contains(ptr, nbytes)
+
     @property
-    def native(self) -> Any:
+    def native(self) -> Any:  # noqa: ANN401 (the native client has no type stubs)
         """The underlying ``MooncakeDistributedStore`` (benchmarks and tests)."""
         return self._store

@@ -1,11 +1,14 @@
 """Memory the backend registers with the Mooncake client: host pools, staging, and its own
-arenas (page headers, shared-memory bounce buffers).
+arenas (page headers, staging slots).
 
 In TCP mode any host memory works (registration only matters for RDMA, but everything is
 registered anyway). In shared-memory mode (``setup_dummy``) the client only accepts memory from
 its shared pool (``alloc_from_mem_pool``), registered with exactly the size allocated; this
 module allocates such memory, remembers which address ranges are usable, and hands it out as
 reusable arenas.
+
+Every known range keeps one ``memoryview`` over its whole extent, so a byte view of any
+region inside it (for checksums) is a slice, not a new ctypes object per buffer.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import contextlib
 import ctypes
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import torch
+from hicache_draft import Buffer
 
 log = logging.getLogger("hicache_draft_mooncake")
 
@@ -29,30 +33,76 @@ class SharedMemoryError(MemoryError):
     """The client's shared-memory pool could not provide or register memory."""
 
 
+def _view_at(ptr: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
+
+
+@dataclass(frozen=True, slots=True)
+class Arena:
+    """A borrowed block of registered memory: its address, size and a byte view over it."""
+
+    ptr: int
+    size: int
+    view: memoryview
+
+
 class Memory:
     """Registered ranges and arena allocation over one Mooncake client."""
 
-    def __init__(self, store: Any, shm: bool) -> None:
+    def __init__(self, store: Any, shm: bool) -> None:  # noqa: ANN401 (the native client)
         self._store = store
         self.shm = shm
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._ends: list[int] = []
+        self._views: list[memoryview] = []
         self._registered: list[int] = []
         self._owned: list[object] = []
-        self._free: dict[int, list[int]] = {}
+        self._free: dict[int, list[Arena]] = {}
 
     # -- ranges ------------------------------------------------------------------------------
-    def _add_range(self, ptr: int, nbytes: int) -> None:
+    def _add_range(self, ptr: int, nbytes: int, view: memoryview) -> None:
         i = bisect.bisect(self._starts, ptr)
         self._starts.insert(i, ptr)
         self._ends.insert(i, ptr + nbytes)
+        self._views.insert(i, view)
+
+    def _find(self, ptr: int, nbytes: int) -> int:
+        i = bisect.bisect(self._starts, ptr) - 1
+        return i if i >= 0 and ptr + nbytes <= self._ends[i] else -1
 
     def contains(self, ptr: int, nbytes: int) -> bool:
         """Whether ``[ptr, ptr + nbytes)`` lies inside one registered range."""
         with self._lock:
-            i = bisect.bisect(self._starts, ptr) - 1
-            return i >= 0 and ptr + nbytes <= self._ends[i]
+            return self._find(ptr, nbytes) >= 0
+
+    def view(self, ptr: int, nbytes: int) -> memoryview:
+        """A writable byte view of ``[ptr, ptr + nbytes)`` (a slice of a known range when it is in one)."""
+        with self._lock:
+            i = self._find(ptr, nbytes)
+            if i >= 0:
+                off = ptr - self._starts[i]
+                return self._views[i][off : off + nbytes]
+        return _view_at(ptr, nbytes) if nbytes else memoryview(bytearray())
+
+    def inside(self, buffers: Sequence[Buffer]) -> bool:
+        """Whether every buffer lies inside a registered range (one lock for all of them)."""
+        with self._lock:
+            return all(self._find(b.ptr, b.nbytes) >= 0 for b in buffers)
+
+    def views(self, buffers: Sequence[Buffer]) -> list[memoryview]:
+        """Byte views of ``buffers`` (slices of known ranges; one lock for all of them)."""
+        out: list[memoryview] = []
+        with self._lock:
+            for b in buffers:
+                i = self._find(b.ptr, b.nbytes)
+                if i < 0:
+                    break
+                off = b.ptr - self._starts[i]
+                out.append(self._views[i][off : off + b.nbytes])
+        if len(out) < len(buffers):
+            out += [self.view(b.ptr, b.nbytes) for b in buffers[len(out) :]]
+        return out
 
     # -- allocation --------------------------------------------------------------------------
     def allocate(self, nbytes: int) -> tuple[int, ctypes.Array[ctypes.c_ubyte]]:
@@ -74,15 +124,10 @@ class Memory:
             raise SharedMemoryError(f"register_buffer of {nbytes} shared-memory bytes returned {rc}")
         with self._lock:
             self._owned.append(arr)
-            self._add_range(ptr, nbytes)
+            self._add_range(ptr, nbytes, memoryview(arr).cast("B"))
             if rc == 0:
                 self._registered.append(ptr)
         return ptr, arr
-
-    def tensor(self, nbytes: int) -> torch.Tensor:
-        """A 1-D ``uint8`` tensor over freshly allocated registered memory (a host-pool allocator)."""
-        _, arr = self.allocate(nbytes)
-        return torch.frombuffer(arr, dtype=torch.uint8)
 
     def register_external(self, ptr: int, nbytes: int) -> bool:
         """Register memory this module did not allocate (TCP/RDMA mode); whether it is now usable.
@@ -95,27 +140,39 @@ class Memory:
             return False
         rc = self._store.register_buffer(ptr, nbytes)
         with self._lock:
-            self._add_range(ptr, nbytes)
+            self._add_range(ptr, nbytes, _view_at(ptr, nbytes))
             if rc == 0:
                 self._registered.append(ptr)
         if rc != 0:
             log.debug("mooncake register_buffer(%#x, %d) returned %d (fine over TCP)", ptr, nbytes, rc)
         return True
 
-    @contextlib.contextmanager
-    def arena(self, nbytes: int) -> Iterator[int]:
-        """Borrow a registered arena of at least ``nbytes`` bytes (reused across calls)."""
+    def borrow(self, nbytes: int) -> Arena:
+        """A registered arena of at least ``nbytes`` bytes; :meth:`give_back` it when done.
+
+        Arenas are allocated (and registered) once per size class and reused across calls.
+        """
         size = max(_MIN_ARENA, 1 << max(0, nbytes - 1).bit_length())
         with self._lock:
             free = self._free.get(size)
-            ptr = free.pop() if free else None
-        if ptr is None:
-            ptr, _ = self.allocate(size)
+            arena = free.pop() if free else None
+        if arena is None:
+            ptr, arr = self.allocate(size)
+            arena = Arena(ptr, size, memoryview(arr).cast("B"))
+        return arena
+
+    def give_back(self, arena: Arena) -> None:
+        with self._lock:
+            self._free.setdefault(arena.size, []).append(arena)
+
+    @contextlib.contextmanager
+    def arena(self, nbytes: int) -> Iterator[Arena]:
+        """``with memory.arena(n) as a:`` borrow an arena for the block."""
+        a = self.borrow(nbytes)
         try:
-            yield ptr
+            yield a
         finally:
-            with self._lock:
-                self._free.setdefault(size, []).append(ptr)
+            self.give_back(a)
 
     def release(self) -> None:
         """Unregister everything (before the client closes)."""
@@ -124,6 +181,7 @@ class Memory:
             self._free.clear()
             self._starts.clear()
             self._ends.clear()
+            self._views.clear()
         for ptr in ptrs:
             with contextlib.suppress(Exception):
                 self._store.unregister_buffer(ptr)

@@ -28,9 +28,20 @@ class MooncakeOptions(BaseModel):
       bytes to whichever segment holders are mounted (local or remote) over the transfer engine.
     * **Shared memory** (``shm_client_address`` set): this process is a thin client of a
       ``mooncake_client`` segment holder running on the same host (``setup_dummy``); bytes move
-      through shared memory. Zero-copy buffers must then live in the holder's shared pool: allocate
-      host pools with :meth:`MooncakeBackend.host_allocator`. Other buffers still work, through a
-      shared-memory bounce copy.
+      through shared memory. Zero-copy buffers must then live in the holder's shared pool: the
+      backend implements the core's ``host_memory`` hook, so the cache controller builds its host
+      pools there. Other buffers still work, through a staged copy in shared memory.
+
+    How a page's bytes move (``io_mode``):
+
+    * ``direct``: one multi-buffer native call per batch; Mooncake reads/writes the page's own
+      buffers (zero copy) plus a 64-byte header slot: ``1 + buffers`` transfers per page.
+    * ``staged``: header and payload are copied (C ``memmove``) into one registered, reused
+      staging slot per page; one transfer per page. Over TCP the per-transfer cost dominates
+      small pages, so this is faster there despite the copy.
+    * ``auto`` (default): ``staged`` over TCP for pages of at most ``staged_max_page_bytes``,
+      ``direct`` otherwise (RDMA, shared memory, larger pages). In shared-memory mode, pages
+      outside the shared pool are always staged.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -64,6 +75,20 @@ class MooncakeOptions(BaseModel):
         default=1.0, ge=0, description="after a master RPC failure, answer at once for this long, then probe"
     )
     max_batch_pages: int = Field(default=256, ge=1, le=65536, description="pages per native batch call")
+    io_mode: Literal["auto", "staged", "direct"] = Field(
+        default="auto", description="how page bytes move: one staged buffer per page, or the page's own buffers"
+    )
+    staged_max_page_bytes: int = Field(
+        default=128 << 10, ge=0, description="io_mode 'auto' over TCP: stage pages up to this size"
+    )
+    max_staging_bytes: int = Field(
+        default=64 << 20, ge=1 << 20, description="bytes of staging memory one native call may use"
+    )
+    pipeline_bytes: int = Field(
+        default=16 << 20, ge=0,
+        description="split a batch into native calls of about this many bytes and checksum one while the "
+        "next moves (0: one call per batch)",
+    )
     log_level: Literal["INFO", "WARNING", "ERROR"] = Field(
         default="ERROR", description="default for MC_LOG_LEVEL (Mooncake's own logging)"
     )

@@ -1,5 +1,6 @@
 """Helpers shared by the mooncake backend tests (fixtures come from hicache_draft_mooncake.pytest_plugin)."""
 
+import ctypes
 import secrets
 from dataclasses import dataclass, field
 
@@ -63,27 +64,54 @@ def make_rig(kind=PoolKind.KV, attention=Attention.MHA, layout=Layout.PAGE_FIRST
                [i.fingerprint() for i in idents], split)
 
 
+def host_allocator(store: Store, kind: PoolKind = PoolKind.KV):
+    """What the controller does with the ``host_memory`` hook: an allocator over the backend's
+    memory, or None when the backend offers none (TCP mode)."""
+    if store.host_memory(kind, 1) is None:
+        return None
+
+    def alloc(nbytes: int) -> torch.Tensor:
+        buf = store.host_memory(kind, nbytes)
+        return torch.frombuffer((ctypes.c_ubyte * buf.nbytes).from_address(buf.ptr), dtype=torch.uint8)
+
+    return alloc
+
+
 def groups(n: int) -> list[str]:
     return [secrets.token_hex(32) for _ in range(n)]
 
 
-@pytest.fixture
-def open_store(mooncake_service):
-    """``open_store(shm=False, **options)``: a Store over the session service, closed after the test."""
-    opened: list[Store] = []
+@pytest.fixture(scope="session")
+def shared_stores(mooncake_service):
+    """``get(shm=False, **options)``: one Store per distinct option set, shared by the whole session
+    and closed at its end (a Mooncake client's close takes about 1 s). Every test uses fresh random
+    page groups, so tests never see each other's pages; tests that read ``backend.stats`` compare
+    counts before and after (see :func:`stat_delta`)."""
+    opened: dict[tuple, Store] = {}
 
-    def open_(shm: bool = False, service=None, **options) -> Store:
-        svc = service or mooncake_service
-        opts = {**svc.backend_options(shm=shm), **options}
-        if shm:
-            opts.setdefault("shm_pool_size", 64 << 20)
-        store = Store.open("mooncake", opts)
-        opened.append(store)
-        return store
+    def get(shm: bool = False, **options) -> Store:
+        key = (shm, tuple(sorted(options.items())))
+        if key not in opened:
+            opts = {**mooncake_service.backend_options(shm=shm), **options}
+            if shm:
+                opts.setdefault("shm_pool_size", 64 << 20)
+            opened[key] = Store.open("mooncake", opts)
+        return opened[key]
 
-    yield open_
-    for s in opened:
+    yield get
+    for s in opened.values():
         s.close()
+
+
+@pytest.fixture
+def open_store(shared_stores):
+    """``open_store(shm=False, **options)``: the session's shared Store for these options."""
+    return shared_stores
+
+
+def stat_delta(store: Store, before: dict[str, int]) -> dict[str, int]:
+    """What ``store.backend.stats`` counted since ``before = dict(store.backend.stats)``."""
+    return {k: v - before.get(k, 0) for k, v in store.backend.stats.items() if v != before.get(k, 0)}
 
 
 @pytest.fixture

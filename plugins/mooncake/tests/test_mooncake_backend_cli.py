@@ -1,5 +1,6 @@
 """``hicache-draft mooncake up`` (started as a real process, stopped with Ctrl-C) and ``bench``."""
 
+import json
 import os
 import re
 import signal
@@ -62,16 +63,21 @@ def test_up_prints_a_working_config_and_stops_on_ctrl_c(new_groups):
                 proc.wait(timeout=10)
 
 
-def test_bench_runs_and_reports_ratios():
+@pytest.mark.parametrize("mode", ["tcp", "shm"])
+def test_bench_runs_and_reports_ratios(mode):
     result = CliRunner().invoke(
-        mooncake, ["bench", "--mode", "tcp", "--page-size", "16KiB", "--pages", "8", "--rounds", "1", "--json"]
+        mooncake, ["bench", "--mode", mode, "--page-size", "16KiB", "--pages", "8", "--rounds", "1", "--json"]
     )
     assert result.exit_code == 0, result.output
-    import json
-
     rows = json.loads(result.output[result.output.index("[") :])
-    assert len(rows) == 1 and rows[0]["mode"] == "tcp" and rows[0]["page_bytes"] == 16 << 10
-    assert rows[0]["set_ratio"] > 0 and rows[0]["get_ratio"] > 0
+    variants = {"tcp": ["baseline", "plugin staged", "plugin direct", "ceiling (staged layout)"],
+                "shm": ["baseline", "plugin", "ceiling (direct layout)"]}[mode]
+    assert [r["variant"] for r in rows] == variants
+    for r in rows:
+        assert r["mode"] == mode and r["page_bytes"] == 16 << 10 and r["pages"] == 8
+        assert r["set_gbps"] > 0 and r["get_gbps"] > 0 and r["set_ratio"] > 0 and r["get_ratio"] > 0
+    assert rows[0]["set_ratio"] == rows[0]["get_ratio"] == 1.0
+    assert all(r["exist_us_per_key"] > 0 for r in rows if not r["variant"].startswith("ceiling"))
 
 
 def test_parse_size():

@@ -4,6 +4,11 @@ pluggable storage, so that both caches come back after a restart.
 Public API for users and backend authors; plugins import only from here.
 """
 
+import warnings
+
+# torch warns at import when numpy is absent; hicache-draft never uses numpy, so the warning is noise.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
 from hicache_draft.backend import BackendContext, NoOptions, StorageBackend
 from hicache_draft.capabilities import Attention, Capabilities, IOPath, Layout, PoolCapability, PoolKind
 from hicache_draft.config import Config, OnMiss, PrefetchPolicy, load_config

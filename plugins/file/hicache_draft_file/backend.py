@@ -16,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
+import operator
 import os
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from hicache_draft import (
     Attention,
     BackendContext,
     BackendSetupError,
+    Buffer,
     Capabilities,
     Layout,
     Page,
@@ -59,6 +62,7 @@ from hicache_draft_file.naming import (
     segment_name,
 )
 from hicache_draft_file.options import FileOptions
+from hicache_draft_file.region_views import RegionViews
 from hicache_draft_file.root_setup import prepare_root
 from hicache_draft_file.segment_format import SegmentError, read_index
 from hicache_draft_file.segment_writer import claim_file, fsync_dir, write_segment
@@ -66,8 +70,18 @@ from hicache_draft_file.vectored_io import IOV_MAX, preadv_all
 
 log = logging.getLogger("hicache_draft_file")
 
-_RUN_MAX_BYTES = 16 << 20  # one preadv reads at most this much (runs spread over reader threads)
+# One preadv reads at most this much, then its pages are checked: a run this small is still in
+# the CPU cache when its xxh3 is computed (a whole 8 MiB batch in one preadv is hashed from memory;
+# on the development VM, 128-512 KiB runs read and check 64 KiB pages fastest, 2 MiB ones ~10% slower).
+_RUN_MAX_BYTES = 256 << 10
+# A page_get reads one segment in several threads only when it spans at least this much in pages
+# of at least _PARALLEL_MIN_PAGE bytes on average: small pages are dominated by per-page Python
+# work, and two threads contending for the GIL made batches of 64 KiB two-buffer pages slower
+# (0.95x instead of 1.07x the baseline), while 128 MiB batches of 1 MiB pages went from 0.97x to 1.65x.
+_PARALLEL_MIN_BYTES = 16 << 20
+_PARALLEL_MIN_PAGE = 256 << 10
 _QUARANTINE_KEEP = 16
+_NBYTES = operator.attrgetter("nbytes")
 _SPLIT_MIN = 16 << 20
 
 _POOL_CAP = PoolCapability(
@@ -76,6 +90,10 @@ _POOL_CAP = PoolCapability(
     generic=True,
     max_buffers_per_page=None,
 )
+
+
+# A page to read: (record offset in its segment, payload bytes, pool, index in the call, page).
+_Item = tuple[int, int, PoolKind, int, Page]
 
 
 @dataclass
@@ -124,6 +142,7 @@ class FileBackend(StorageBackend):
         self.stats = FileStats()
         self.catalog = Catalog()
         self.registrations: dict[PoolKind, PoolRegistration] = {}
+        self._regions = RegionViews()  # views of the registered pools' memory (reads slice them)
         self._lock = threading.RLock()  # catalog, handles, journal offset
         self._fs_lock = threading.Lock()  # serialises this process's use of the root flock
         self._handles: OrderedDict[str, _Handle] = OrderedDict()
@@ -308,7 +327,11 @@ class FileBackend(StorageBackend):
         cap = self.capabilities.pools.get(registration.pool)
         if cap is None or registration.attention not in cap.attention:
             raise ValueError(f"file backend does not hold {registration.attention.value} pool {registration.pool}")
-        self.registrations[registration.pool] = registration
+        with self._lock:
+            self.registrations[registration.pool] = registration
+            self._regions = RegionViews(
+                b for reg in self.registrations.values() for b in (*reg.regions, *reg.staging)
+            )
 
     @hookimpl
     def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
@@ -425,41 +448,48 @@ class FileBackend(StorageBackend):
     def page_get(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
         results = {t.pool: [PageResult.MISS] * len(t.pages) for t in transfers}
         self._poll()
-        plan: dict[str, tuple[Segment, list[tuple[int, PoolKind, int, Page]]]] = {}
+        plan: dict[Segment, list[_Item]] = {}  # pages by segment, in call order
         with self._lock:
             for t in transfers:
-                keys = self.catalog.keys.get(t.pool)
+                pool = t.pool
+                keys = self.catalog.keys.get(pool)
+                last_seg: Segment | None = None
+                last: list[_Item] = []
                 for i, page in enumerate(t.pages):
-                    entry = keys.get(page.key) if keys is not None and isinstance(page.key, str) else None
+                    key = page.key
+                    entry = keys.get(key) if keys is not None and isinstance(key, str) else None
                     if entry is None:
-                        if key_problem(page.key):
-                            results[t.pool][i] = PageResult.FAILED
-                            self._log_once("get:badkey", "file backend: page_get: %s", key_problem(page.key))
+                        if key_problem(key):
+                            results[pool][i] = PageResult.FAILED
+                            self._log_once("get:badkey", "file backend: page_get: %s", key_problem(key))
                         continue
                     seg, rec = entry
-                    if seg.payload_len(rec) != page.nbytes:
-                        results[t.pool][i] = PageResult.CORRUPT
+                    index = seg.index
+                    stored = index.lengths[rec]
+                    bufs = page.buffers
+                    nbytes = bufs[0].nbytes if len(bufs) == 1 else sum(map(_NBYTES, bufs))
+                    if stored != nbytes:
+                        results[pool][i] = PageResult.CORRUPT
                         self.stats.corrupt_pages += 1
                         self._log_once(
                             "get:len", "file backend: stored page %s has %d bytes, the caller's buffers %d",
-                            page.key, seg.payload_len(rec), page.nbytes,
+                            key, stored, nbytes,
                         )
                         continue
-                    plan.setdefault(seg.name, (seg, []))[1].append((rec, t.pool, i, page))
-        for seg, items in plan.values():
+                    if seg is not last_seg:  # a call's pages are mostly in one segment, in order
+                        last_seg = seg
+                        got = plan.get(seg)
+                        last = plan[seg] = [] if got is None else got
+                    last.append((index.offsets[rec], stored, pool, i, page))
+        for seg, items in plan.items():
             if time.monotonic() > deadline:
-                for _rec, pool, i, _page in items:
+                for _off, _n, pool, i, _page in items:
                     results[pool][i] = PageResult.FAILED
                 continue
             self._read_segment(seg, items, results)
         return results
 
-    def _read_segment(
-        self,
-        seg: Segment,
-        items: list[tuple[int, PoolKind, int, Page]],
-        results: dict[PoolKind, list[PageResult]],
-    ) -> None:
+    def _read_segment(self, seg: Segment, items: list[_Item], results: dict[PoolKind, list[PageResult]]) -> None:
         try:
             h = self._acquire(seg)
         except FileNotFoundError:  # evicted by another process since our last poll
@@ -469,20 +499,13 @@ class FileBackend(StorageBackend):
         except OSError as exc:
             self.stats.read_failures += 1
             self._log_once(f"open:{exc.errno}", "file backend: cannot open %s: %s", seg.path, exc.strerror)
-            for _rec, pool, i, _page in items:
+            for _off, _n, pool, i, _page in items:
                 results[pool][i] = PageResult.FAILED
             return
         bad: list[tuple[PoolKind, int, str]] = []
-        ok = 0
         try:
-            items.sort(key=lambda it: seg.offset(it[0]))
-            runs = list(_runs(seg, items))
-            if len(runs) > 1 and self._readers is not None:
-                # preadv and the xxh3 check release the GIL: two runs at a time use two cores
-                ok = sum(self._readers.map(lambda run: self._read_run(h.fd, seg, run, results, bad), runs))
-            else:
-                for run in runs:
-                    ok += self._read_run(h.fd, seg, run, results, bad)
+            items.sort(key=_item_offset)
+            ok = self._read_runs(h.fd, items, _run_bounds(items), results, bad)
             if ok and self.writable:
                 with contextlib.suppress(OSError):
                     os.utime(h.fd)  # recency for LRU eviction, seen by every process
@@ -491,49 +514,46 @@ class FileBackend(StorageBackend):
         except OSError as exc:
             self.stats.read_failures += 1
             self._log_once(f"read:{exc.errno}", "file backend: reading %s failed: %s", seg.path, exc.strerror)
-            for _rec, pool, i, _page in items:
+            for _off, _n, pool, i, _page in items:
                 if results[pool][i] is not PageResult.OK:
                     results[pool][i] = PageResult.FAILED
         finally:
             self._release(h)
 
-    def _read_run(
+    def _read_runs(
         self,
         fd: int,
-        seg: Segment,
-        run: list[tuple[int, PoolKind, int, Page]],
+        items: list[_Item],
+        bounds: list[int],
         results: dict[PoolKind, list[PageResult]],
         bad: list[tuple[PoolKind, int, str]],
     ) -> int:
-        """One ``preadv`` for adjacent records, straight into the destination buffers."""
-        heads = bytearray(HEADER_SIZE * len(run))
-        hv = memoryview(heads)
-        views: list[memoryview] = []
-        bufs: list[list[memoryview]] = []
-        for j, (_rec, _pool, _i, page) in enumerate(run):
-            views.append(hv[j * HEADER_SIZE : (j + 1) * HEADER_SIZE])
-            pv = [b.view() for b in page.buffers]
-            bufs.append(pv)
-            views.extend(pv)
-        start = seg.offset(run[0][0])
-        got = preadv_all(fd, views, start)
-        ok = 0
-        offsets = seg.index.offsets
-        lengths = seg.index.lengths
-        for j, (rec, pool, i, page) in enumerate(run):
-            nbytes = lengths[rec]
-            if got < offsets[rec] + HEADER_SIZE + nbytes - start:
-                bad.append((pool, i, "truncated segment"))
-                continue
-            try:
-                header = parse_header(hv[j * HEADER_SIZE : (j + 1) * HEADER_SIZE], page.key, page.namespace, pool)
-                verify_payload(header, bufs[j], nbytes)
-            except PageFormatError as exc:
-                bad.append((pool, i, str(exc)))
-                continue
-            results[pool][i] = PageResult.OK
-            ok += 1
-        return ok
+        """Read and check the runs ``items[bounds[j]:bounds[j + 1]]``. A large read of large pages
+        is cut into contiguous shares, one per reader thread and one in the calling thread
+        (``preadv`` and xxh3 release the GIL); any other read stays in the calling thread, where
+        handing work to a thread costs more than it saves (see ``_PARALLEL_MIN_BYTES``)."""
+        view = self._regions.view
+        n_runs = len(bounds) - 1
+        extent = items[-1][0] + HEADER_SIZE + items[-1][1] - items[0][0]  # of the file, items sorted
+        if (
+            self._readers is None
+            or n_runs < 2
+            or extent < _PARALLEL_MIN_BYTES
+            or extent < _PARALLEL_MIN_PAGE * len(items)
+        ):
+            return _read_share(fd, items, bounds, view, results, bad)
+        k = min(self.opts.io_threads, n_runs)
+        cuts = [j * n_runs // k for j in range(k + 1)]
+        shares = [bounds[cuts[j] : cuts[j + 1] + 1] for j in range(k)]
+        futures = [self._readers.submit(_read_share, fd, items, sh, view, results, bad) for sh in shares[1:]]
+        try:
+            ok = _read_share(fd, items, shares[0], view, results, bad)
+        finally:
+            failed = [f.exception() for f in futures]  # every share ends before the fd is released
+        for exc in failed:
+            if exc is not None:
+                raise exc
+        return ok + sum(f.result() for f in futures)
 
     def _on_bad(
         self, seg: Segment, fd: int, bad: list[tuple[PoolKind, int, str]], results: dict[PoolKind, list[PageResult]]
@@ -580,6 +600,7 @@ class FileBackend(StorageBackend):
             if self._closed:
                 return
             self._closed = True
+            self._regions = RegionViews()
             for name in list(self._handles):
                 self._retire_handle(name)
             self._journal.close()
@@ -732,27 +753,76 @@ class FileBackend(StorageBackend):
             }
 
 
-def _runs(
-    seg: Segment, items: list[tuple[int, PoolKind, int, Page]]
-) -> Iterator[list[tuple[int, PoolKind, int, Page]]]:
-    """Split offset-sorted items into runs of adjacent records (one preadv each)."""
-    run: list[tuple[int, PoolKind, int, Page]] = []
+def _item_offset(item: _Item) -> int:
+    return item[0]
+
+
+def _run_bounds(items: list[_Item]) -> list[int]:
+    """Where offset-sorted ``items`` split into runs of adjacent records, each at most
+    ``_RUN_MAX_BYTES`` (a larger record alone) and ``4 * IOV_MAX`` buffers: the index of every
+    run's first item, then ``len(items)``."""
+    bounds: list[int] = []
     next_off = -1
-    iovs = nbytes = 0
-    for it in items:
-        rec, _pool, _i, page = it
-        off = seg.offset(rec)
-        n_iov = 1 + len(page.buffers)
-        span = HEADER_SIZE + page.nbytes
-        if run and (off != next_off or iovs + n_iov > IOV_MAX * 4 or nbytes + span > _RUN_MAX_BYTES):
-            yield run
-            run, iovs, nbytes = [], 0, 0
-        run.append(it)
-        next_off = off + span
-        iovs += n_iov
+    nbytes = n_iov = 0
+    for j, (off, n, _pool, _i, page) in enumerate(items):
+        span = HEADER_SIZE + n
+        more = 1 + len(page.buffers)
+        if off != next_off or nbytes + span > _RUN_MAX_BYTES or n_iov + more > 4 * IOV_MAX:
+            bounds.append(j)
+            nbytes = n_iov = 0
         nbytes += span
-    if run:
-        yield run
+        n_iov += more
+        next_off = off + span
+    bounds.append(len(items))
+    return bounds
+
+
+def _read_share(
+    fd: int,
+    items: list[_Item],
+    bounds: list[int],
+    view: Callable[[Buffer], memoryview],
+    results: dict[PoolKind, list[PageResult]],
+    bad: list[tuple[PoolKind, int, str]],
+) -> int:
+    """Each run: one ``preadv`` of the records' headers (into a small buffer) interleaved with
+    their payloads (straight into the destination buffers), then every page of the run validated,
+    header and xxh3 of the payload, while its bytes are still in the CPU cache. A run's views are
+    made just before it is read and dropped after it is checked, so few objects live at a time."""
+    ok = 0
+    for a, b in itertools.pairwise(bounds):
+        run = items[a:b]
+        heads = memoryview(bytearray(HEADER_SIZE * (b - a)))
+        iov: list[memoryview] = []
+        checks: list[tuple[memoryview, Sequence[memoryview]]] = []
+        h = 0
+        for item in run:
+            head = heads[h : h + HEADER_SIZE]
+            h += HEADER_SIZE
+            iov.append(head)
+            bufs = item[4].buffers
+            if len(bufs) == 1:
+                v = view(bufs[0])
+                iov.append(v)
+                checks.append((head, (v,)))
+            else:
+                pv = list(map(view, bufs))
+                iov.extend(pv)
+                checks.append((head, pv))
+        start = run[0][0]
+        end = start + preadv_all(fd, iov, start)
+        for (off, n, pool, i, page), (head, pv) in zip(run, checks, strict=True):
+            if off + HEADER_SIZE + n > end:
+                bad.append((pool, i, "truncated segment"))
+                continue
+            try:
+                verify_payload(parse_header(head, page.key, page.namespace, pool), pv, n)
+            except PageFormatError as exc:
+                bad.append((pool, i, str(exc)))
+                continue
+            results[pool][i] = PageResult.OK
+            ok += 1
+    return ok
 
 
 __all__ = ["FileBackend", "FileOptions", "FileStats", "claim_file"]

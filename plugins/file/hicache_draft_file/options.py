@@ -26,9 +26,10 @@ class FileOptions(BaseModel):
     ``open_files``: segment file descriptors kept open per process.
     ``dedup``: skip groups whose every page of the call is already stored.
     ``journal_max_records``: the shared change journal is compacted past this many records.
-    ``io_threads``: threads that read the runs of one ``page_get`` in parallel, and (when above 1)
-    two threads that write the halves of a large segment (copies and checksums release the GIL);
-    1 does all I/O in the calling thread.
+    ``io_threads``: threads that share the reading of one segment when a ``page_get`` spans at
+    least 16 MiB of it (smaller reads stay in the calling thread, where they are faster), and (when
+    above 1) two threads that write the halves of a large segment (copies and checksums release
+    the GIL); 1 does all I/O in the calling thread.
     """
 
     model_config = ConfigDict(extra="forbid")

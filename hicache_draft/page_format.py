@@ -22,6 +22,7 @@ the I/O; it detects corruption and truncation, not tampering (that is not its jo
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ MAGIC = b"HCDPAGE\x00"
 FORMAT_VERSION = 1
 HEADER_SIZE = 64
 _HEAD = struct.Struct("<8sHBBIQQ12s16s")
+_HEAD_FULL = struct.Struct("<8sHBBIQQ12s16sI")  # the same, with the trailing header checksum
 _POOL_CODE = {PoolKind.KV: 0, PoolKind.DRAFT: 1}
 _CODE_POOL = {v: k for k, v in _POOL_CODE.items()}
 assert _HEAD.size + 4 == HEADER_SIZE
@@ -63,8 +65,11 @@ class PageFormatError(ValueError):
 
 def checksum(buffers: Iterable[memoryview | bytes | bytearray]) -> int:
     """xxh3_64 of the concatenation of ``buffers``."""
+    parts = buffers if isinstance(buffers, (list, tuple)) else list(buffers)
+    if len(parts) == 1:  # the one-shot digest equals the streamed one, and is cheaper
+        return xxhash.xxh3_64_intdigest(parts[0])
     h = xxhash.xxh3_64()
-    for b in buffers:
+    for b in parts:
         h.update(b)
     return h.intdigest()
 
@@ -89,6 +94,7 @@ class PageHeader:
         return head + struct.pack("<I", xxhash.xxh32_intdigest(head))
 
 
+@functools.lru_cache(maxsize=1024)
 def namespace_bytes(namespace: str) -> bytes:
     """The 12 raw bytes of a 24-hex-digit namespace fingerprint (other strings are hashed)."""
     try:
@@ -117,19 +123,18 @@ def parse_header(raw: bytes | memoryview, key: str, namespace: str, pool: PoolKi
     raw = bytes(raw[:HEADER_SIZE])
     if len(raw) < HEADER_SIZE:
         raise PageFormatError(HeaderProblem.SHORT, f"{len(raw)} bytes")
-    magic, version, pool_code, _flags, hlen, plen, csum, ns, kd = _HEAD.unpack_from(raw)
+    magic, version, pool_code, _flags, hlen, plen, csum, ns, kd, hsum = _HEAD_FULL.unpack_from(raw)
     if magic != MAGIC:
         raise PageFormatError(HeaderProblem.MAGIC)
     if version != FORMAT_VERSION or hlen != HEADER_SIZE:
         raise PageFormatError(HeaderProblem.VERSION, f"version {version}")
-    (hsum,) = struct.unpack_from("<I", raw, _HEAD.size)
     if hsum != xxhash.xxh32_intdigest(raw[: _HEAD.size]):
         raise PageFormatError(HeaderProblem.HEADER_CHECKSUM)
     if ns != namespace_bytes(namespace) or kd != key_digest(key):
         raise PageFormatError(HeaderProblem.FOREIGN)
     if _CODE_POOL.get(pool_code) is not pool:
         raise PageFormatError(HeaderProblem.POOL)
-    return PageHeader(pool=pool, payload_len=plen, payload_checksum=csum, namespace=ns, key_digest=kd)
+    return PageHeader(pool, plen, csum, ns, kd)
 
 
 def verify_payload(header: PageHeader, payload: Iterable[memoryview | bytes | bytearray], expected_len: int) -> None:

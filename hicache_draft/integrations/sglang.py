@@ -282,11 +282,10 @@ class HiCacheDraftStorage(HiCacheStorage):
             plans.append((ji, job, idx, staged))
         if not transfers:
             return
-        abandoned = self.store.abandoned_calls
         if op == "set":
-            results = self.store.page_set(transfers)
+            results, io_done = self.store.page_set_tracked(transfers)
         else:
-            results, _ = self.store.page_get(transfers)
+            results, io_done = self.store.page_get(transfers)
         for ji, job, idx, staged in plans:
             got = results.get(job.view.kind, [])
             split = job.view.split
@@ -297,7 +296,7 @@ class HiCacheDraftStorage(HiCacheStorage):
                     for part in range(split):
                         self._copy_in(job, i, part, staged[n * split + part][1])
                 out[ji][i] = ok
-        if self.store.abandoned_calls != abandoned:
+        if not io_done.done():  # this call timed out: the backend may still use its staging memory
             for _, job, _, staged in plans:
                 if staged is not None and job.view.staging is not None:
                     self._warn_once("staging:replaced", "hicache-draft: a backend call timed out; its staging "

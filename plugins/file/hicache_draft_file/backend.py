@@ -157,6 +157,8 @@ class FileBackend(StorageBackend):
         self._writers = (
             ThreadPoolExecutor(2, thread_name_prefix="hcd-file-write") if options.io_threads > 1 else None
         )
+        # copies pages into segment files while the writing thread makes the next headers
+        self._io = ThreadPoolExecutor(2, thread_name_prefix="hcd-file-io") if options.io_threads > 1 else None
         try:
             self._lock_fd = (
                 os.open(self.layout.lock_file, os.O_RDWR)
@@ -413,7 +415,8 @@ class FileBackend(StorageBackend):
             self._seq += 1
             name = segment_name(self._writer, self._seq)
         try:
-            ws = write_segment(self.layout, name, [(pool, page) for pool, _i, page in batch], self.opts.fsync)
+            items = [(pool, page) for pool, _i, page in batch]
+            ws = write_segment(self.layout, name, items, self.opts.fsync, self._regions.view, self._io)
         except OSError as exc:
             self.stats.write_failures += 1
             self._log_once(
@@ -604,7 +607,7 @@ class FileBackend(StorageBackend):
             for name in list(self._handles):
                 self._retire_handle(name)
             self._journal.close()
-            for ex in (self._readers, self._writers):
+            for ex in (self._readers, self._writers, self._io):
                 if ex is not None:
                     ex.shutdown(wait=False)
             if self._lock_fd >= 0:

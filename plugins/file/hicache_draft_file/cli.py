@@ -25,12 +25,17 @@ def file_group() -> None:
     "--dir", "scratch", type=click.Path(file_okay=False, path_type=Path), default=None,
     help="Where to create the scratch store (default: the system temp dir). Removed afterwards.",
 )
-def bench_cmd(as_json: bool, quick: bool, scratch: Path | None) -> None:
+@click.option(
+    "--settle-max", "settle_max", type=click.FloatRange(min=0), default=120.0, show_default=True,
+    help="Seconds to wait at most for file creation to reach its usual speed before timing (it is slow for "
+    "a while after mass deletes, such as a previous run's cleanup).",
+)
+def bench_cmd(as_json: bool, quick: bool, scratch: Path | None, settle_max: float) -> None:
     """Set/get GB/s (64 KiB and 1 MiB pages, batches of 128, zero-copy and generic) and existence
     µs/key, as ratios against one file per page measured in the same run; restart time."""
     from hicache_draft_file.bench import format_report, run_bench
 
-    rep = run_bench(quick=quick, root=scratch)
+    rep = run_bench(quick=quick, root=scratch, settle_max_s=settle_max)
     click.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))
 
 

@@ -28,8 +28,9 @@ class FileOptions(BaseModel):
     ``journal_max_records``: the shared change journal is compacted past this many records.
     ``io_threads``: threads that share the reading of one segment when a ``page_get`` spans at
     least 16 MiB of it (smaller reads stay in the calling thread, where they are faster), and (when
-    above 1) two threads that write the halves of a large segment (copies and checksums release
-    the GIL); 1 does all I/O in the calling thread.
+    above 1) two threads that write the halves of a large segment plus a writer thread that copies
+    records of large pages (256 KiB or more on average) into the file while the next headers are
+    checksummed (copies and checksums release the GIL); 1 does all I/O in the calling thread.
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -1,19 +1,24 @@
 """Vectored positional I/O that finishes the job: ``IOV_MAX`` chunks and partial transfers.
 
-Writes are issued in calls of at most ``chunk`` bytes. On the development VM (Linux 6.18, ext4)
-one 8 MiB ``pwritev`` into a new file runs at about 0.4 GB/s while the same bytes in 64 KiB calls
-run at about 4 GB/s (the big call makes the kernel allocate large page-cache folios, which is
-slow there); 64 KiB calls are never worse elsewhere, so that is the default.
+Writes are issued in calls of at most ``chunk`` bytes. On the development VM (Linux 6.18, ext4,
+page cache dropped between batches as the benchmark does) one 8 MiB ``pwritev`` into a new file
+runs at about 0.4 GB/s, and 1 MiB calls sometimes do too once a file passes tens of MiB (the
+kernel allocates page-cache folios as large as the call, which is slow there), while 64-512 KiB
+calls run at 3.5-5 GB/s. Within that range larger calls are faster: in the benchmark's 128 MiB
+batches of 1 MiB pages, 256 KiB calls wrote 3.9-4.0 GB/s where 64 KiB calls wrote 2.7 GB/s, and
+8 MiB batches of 64 KiB pages went from 1.35 to 1.6 GB/s. 256 KiB is the default.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 
 IOV_MAX = max(16, min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024))
-WRITE_CHUNK = 64 << 10
+WRITE_CHUNK = 256 << 10
 
 
 def _calls(views: Sequence[memoryview], chunk: int) -> list[list[memoryview]]:
@@ -75,3 +80,33 @@ def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> int:
                 pending[i] = pending[i][got:]
                 got = 0
     return total
+
+
+def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
+    """``fallocate(2)`` from the C library (Linux), or ``None``. Not ``os.posix_fallocate``: where
+    the filesystem lacks fallocate, glibc emulates it by writing every block, which costs more
+    than the preallocation saves."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_FALLOCATE = _load_fallocate()
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Reserve the blocks of ``fd`` up to ``size`` bytes (the file's size becomes at least
+    ``size``); best effort, ``False`` where the filesystem cannot (or is full: the write that
+    follows then fails with the real error). Writing into preallocated blocks skips the per-page
+    delayed-allocation work of extending a file: on the development VM 8 MiB in 64 KiB calls went
+    from 4.6 to 5.2 GB/s, and the benchmark's 64 KiB-page sets about 5% faster."""
+    if _FALLOCATE is None or size <= 0:
+        return False
+    return _FALLOCATE(fd, 0, 0, size) == 0

@@ -1,0 +1,126 @@
+"""The benchmark's wait for a settled filesystem (fake clocks and probes: no timing asserted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hicache_draft_file import fs_settle
+from hicache_draft_file.bench import bench_size, format_report
+from hicache_draft_file.fs_settle import is_settled, probe_creates, wait_until_settled
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+def _run(costs: list[float], max_s: float, target: float | None = None) -> fs_settle.Settled:
+    t = FakeTime()
+    it = iter(costs)
+
+    def probe() -> float:
+        t.now += 0.01
+        return next(it)
+
+    return wait_until_settled(probe, max_s, target, t.clock, t.sleep)
+
+
+def test_a_recovering_filesystem_is_waited_out() -> None:
+    """Slow (100 us) then fast (10 us), with a reference of 9 us from an earlier run: timing starts
+    only after the drop, once fast probes are the majority of the window."""
+    res = _run([100e-6] * 20 + [10e-6] * 20, max_s=60, target=9e-6)
+    assert res.settled and 20 < res.probes <= 20 + 2 * fs_settle.WINDOW
+    assert res.create_us == pytest.approx(10)
+
+
+def test_without_a_reference_a_drop_is_still_waited_out_when_seen() -> None:
+    """A first run sees the slow probes improve (so it is not steady) and waits for the drop."""
+    res = _run([400e-6, 300e-6, 200e-6, 150e-6, 120e-6, 100e-6, 90e-6] + [10e-6] * 20, max_s=60)
+    assert res.settled and res.create_us == pytest.approx(10) and res.probes >= 7 + fs_settle.WINDOW // 2 + 1
+
+
+def test_a_steady_filesystem_starts_after_the_minimum_probes() -> None:
+    res = _run([12e-6, 11e-6, 13e-6, 12e-6] * 10, max_s=60)
+    assert res.settled and res.probes == max(fs_settle.MIN_PROBES, 2 * fs_settle.WINDOW)
+
+
+def test_a_filesystem_that_keeps_improving_runs_out_of_time_and_says_so() -> None:
+    res = _run([1e-3 * 0.8**i for i in range(400)], max_s=5)
+    assert not res.settled and res.waited_s >= 5
+
+
+def test_a_target_rejects_a_steady_but_slow_phase() -> None:
+    slow_then_fast = [100e-6] * 30 + [12e-6] * 10
+    assert _run(slow_then_fast, max_s=60).probes == max(fs_settle.MIN_PROBES, 2 * fs_settle.WINDOW)  # steady
+    res = _run(slow_then_fast, max_s=60, target=10e-6)
+    assert res.settled and res.probes > 30 and res.create_us == pytest.approx(12)
+
+
+def test_is_settled_needs_enough_probes() -> None:
+    enough = max(fs_settle.MIN_PROBES, 2 * fs_settle.WINDOW)
+    assert not is_settled([1e-5] * (enough - 1))
+    assert is_settled([1e-5] * enough)
+    assert not is_settled([1e-5] * enough, target=1e-6)
+    assert is_settled([1e-5, 1e-6, 3e-5, 1e-5] * 4), "one fast outlier does not set the bar"
+    assert not is_settled([8e-5] * 4 + [1e-5] * 4), "a window much better than the one before: still improving"
+
+
+def test_probe_creates_files_and_deletes_none(tmp_path: Path) -> None:
+    assert probe_creates(tmp_path, 5) > 0
+    assert probe_creates(tmp_path, 5) > 0
+    dirs = list(tmp_path.iterdir())
+    assert len(dirs) == 2
+    for d in dirs:  # renamed into place, written, none left as temp files
+        assert sorted(f.name for f in d.iterdir()) == sorted(f"p{i}" for i in range(5))
+        assert all(f.stat().st_size == 4096 for f in d.iterdir())
+
+
+def test_the_report_shows_the_filesystem_state_and_the_baseline() -> None:
+    fs = {"waited_s": 3.0, "create_us": 9.0, "probes": 12, "settled": False, "create_us_after_sizes": 11.0,
+          "reference_us": 7.0}
+    row = {"page_bytes": 65536, "rounds": 20, "excluded_rounds": 3,
+           "gbps": {op: {"baseline": 1.0, "zero_copy": 2.0, "generic": 1.5} for op in ("set", "get")},
+           "ratios": {"set_zero_copy": 2.0, "set_generic": 1.5, "set_goal": 2.0,
+                      "get_zero_copy": 2.0, "get_generic": 1.5, "get_goal": 1.0}}
+    rep = {"quick": True, "batch": 128, "cpus": 2, "goals_met": True, "filesystem": fs, "baseline": "baseline: x",
+           "sizes": [row], "exists": {"file_us_per_key": 0.1, "baseline_us_per_key": 2.0, "keys": 8.0}, "restart": []}
+    text = format_report(rep)
+    assert "DID NOT SETTLE" in text and "9 us" in text and "11 us after" in text and "earlier runs: 7 us" in text
+    assert "20 rounds counted, 3 excluded" in text and "baseline: x" in text
+
+
+def test_the_reference_is_kept_per_filesystem(tmp_path: Path) -> None:
+    store = tmp_path / "cache" / "refs.json"
+    assert fs_settle.load_reference(tmp_path, store) is None
+    fs_settle.save_reference(tmp_path, 8e-6, store)
+    assert fs_settle.load_reference(tmp_path, store) == pytest.approx(8e-6)
+    fs_settle.save_reference(tmp_path, 80e-6, store)  # a slow 'settled' run does not raise the bar
+    assert fs_settle.load_reference(tmp_path, store) == pytest.approx(8e-6)
+    fs_settle.save_reference(tmp_path, 6e-6, store)
+    assert fs_settle.load_reference(tmp_path, store) == pytest.approx(6e-6)
+    store.write_text("not json")
+    assert fs_settle.load_reference(tmp_path, store) is None
+    fs_settle.save_reference(tmp_path, 9e-6, store)  # a damaged file is replaced, not an error
+    assert fs_settle.load_reference(tmp_path, store) == pytest.approx(9e-6)
+
+
+def test_rounds_measured_while_creation_is_slow_are_replaced_and_counted(tmp_path: Path) -> None:
+    """The gate says 'slow' for the first two rounds (checked before and after each): they are
+    measured but not counted, and replaced, so the result still has the asked number of rounds."""
+    calls = iter([False, True, True, False] + [True] * 20)
+    res = bench_size(tmp_path, 64 << 10, 2, gate=lambda: next(calls), max_excluded=4)
+    assert (res.rounds, res.excluded) == (2, 2)
+    assert set(res.ratios["set"]) == {"zero_copy", "generic"} and all(v > 0 for v in res.gbps["set"].values())
+    (tmp_path / "b").mkdir()
+    (tmp_path / "c").mkdir()
+    calm = bench_size(tmp_path / "b", 64 << 10, 1, gate=lambda: True, max_excluded=0)
+    assert (calm.rounds, calm.excluded) == (1, 0)
+    with pytest.raises(RuntimeError, match="file creation was slow"):
+        bench_size(tmp_path / "c", 64 << 10, 1, gate=lambda: False, max_excluded=1)

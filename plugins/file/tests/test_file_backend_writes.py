@@ -1,0 +1,181 @@
+"""The write path: a segment's bytes do not depend on how it was written.
+
+Whatever the page sizes, buffer splits and write-call size, whether the calls are made by the
+calling thread or handed to a writer thread, and whether the file is new, preallocated or a
+recycled file larger or smaller than the segment, the file holds exactly: each page's header
+(``make_header``) and payload, in order, then the footer. A failing write (in either thread)
+removes the temp file and raises, and the backend reports the pages FAILED and keeps what it had.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from hicache_draft_file import segment_writer
+from hicache_draft_file.naming import RootLayout
+from hicache_draft_file.root_setup import prepare_root
+from hicache_draft_file.segment_format import Record, build_footer, read_index
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache_draft import HEADER_SIZE, Buffer, Page, PageResult, PoolKind, make_header
+
+NS = "c3" * 12
+
+
+def _pages(sizes: list[int], split: bool) -> tuple[list[tuple[PoolKind, Page]], list[bytearray]]:
+    keep: list[bytearray] = []
+    items: list[tuple[PoolKind, Page]] = []
+    for i, n in enumerate(sizes):
+        data = hashlib.shake_256(f"w{i}".encode()).digest(n)
+        cut = [0, n // 3, n] if split and n > 1 else [0, n]
+        bufs = []
+        for a, b in zip(cut, cut[1:], strict=False):
+            mem = bytearray(data[a:b])
+            keep.append(mem)
+            bufs.append(Buffer.of(mem))
+        group = f"{i:064x}"
+        pool = PoolKind.DRAFT if i % 3 == 2 else PoolKind.KV
+        items.append((pool, Page(f"{group}.{NS}", group, NS, tuple(bufs))))
+    return items, keep
+
+
+def _expected(items: list[tuple[PoolKind, Page]]) -> bytes:
+    out = bytearray()
+    records = []
+    for pool, page in items:
+        views = [b.view() for b in page.buffers]
+        records.append(Record(page.key, page.group, pool, len(out), page.nbytes))
+        out += make_header(page.key, page.namespace, pool, views)
+        for v in views:
+            out += v
+    return bytes(out + build_footer(records, len(out)))
+
+
+def _layout(root: Path) -> RootLayout:
+    return prepare_root(root, create=True, read_only=False)
+
+
+@pytest.fixture
+def pipeline_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hand every segment to the writer thread, however small (the thresholds only pick the faster
+    path; the bytes must not depend on them)."""
+    monkeypatch.setattr(segment_writer, "_PIPELINE_MIN", 0)
+    monkeypatch.setattr(segment_writer, "_PIPELINE_MIN_RECORD", 0)
+
+
+SIZES = st.sampled_from([0, 1, 63, 4096, 5000, 65536, 200_000])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(SIZES, min_size=1, max_size=10),
+    split=st.booleans(),
+    chunk=st.sampled_from([4096, 70_000, 256 << 10]),
+    threaded=st.booleans(),
+    recycled=st.sampled_from([None, 100, 5 << 20]),
+    prealloc=st.booleans(),
+)
+def test_a_segment_holds_exactly_headers_payloads_and_footer(
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    pipeline_always: None,
+    sizes: list[int],
+    split: bool,
+    chunk: int,
+    threaded: bool,
+    recycled: int | None,
+    prealloc: bool,
+) -> None:
+    layout = _layout(tmp_path_factory.mktemp("seg"))
+    if recycled is not None:  # an evicted file of another size waits in free/
+        (layout.free / "0000000000000000-00000001.free").write_bytes(b"\xee" * recycled)
+    if not prealloc:
+        monkeypatch.setattr(segment_writer, "preallocate", lambda fd, size: False)
+    items, _keep = _pages(sizes, split)
+    io = ThreadPoolExecutor(1) if threaded else None
+    try:
+        ws = segment_writer.write_segment(layout, "00000000000000aa-00000001", items, False, Buffer.view, io, chunk)
+    finally:
+        if io is not None:
+            io.shutdown()
+    try:
+        want = _expected(items)
+        assert ws.recycled is (recycled is not None)
+        assert ws.tmp_path.read_bytes() == want
+        assert ws.index.size == len(want) and ws.index.keys == [p.key for _pool, p in items]
+        idx = read_index(ws.fd)
+        assert list(idx.offsets) == list(ws.index.offsets) and list(idx.lengths) == sizes
+    finally:
+        os.close(ws.fd)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_failed_write_removes_the_temp_file_and_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pipeline_always: None, threaded: bool, fail_at: int
+) -> None:
+    layout = _layout(tmp_path / "root")
+    calls: list[int] = []
+    real = segment_writer.pwritev_all
+
+    def flaky(fd: int, views: list[memoryview], offset: int, chunk: int = 1 << 30) -> int:
+        calls.append(offset)
+        if len(calls) > fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, views, offset, chunk)
+
+    monkeypatch.setattr(segment_writer, "pwritev_all", flaky)
+    items, _keep = _pages([65536] * 8, split=True)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    io = ThreadPoolExecutor(1) if threaded else None
+    try:
+        with pytest.raises(OSError) as err:
+            segment_writer.write_segment(layout, "00000000000000bb-00000001", items, False, Buffer.view, io, 65536)
+    finally:
+        if io is not None:
+            io.shutdown()
+    assert err.value.errno == errno.ENOSPC
+    assert len(calls) == fail_at + 1, "writes went on after the first failure"
+    assert list(layout.tmp.iterdir()) == []
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_pipelined_backend_write_failure_fails_pages_and_keeps_stored(
+    open_store, kit, monkeypatch: pytest.MonkeyPatch, pipeline_always: None, tmp_path: Path
+) -> None:
+    store = open_store(io_threads=2)
+    kept = [kit.group(i, 1) for i in range(3)]
+    assert store.page_set(kit.both(kept, 300_000))[PoolKind.KV] == [PageResult.OK] * 3
+
+    def no_space(*_a: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(segment_writer, "pwritev_all", no_space)
+    lost = [kit.group(i, 2) for i in range(3)]
+    res = store.page_set(kit.both(lost, 300_000))
+    assert res == {PoolKind.KV: [PageResult.FAILED] * 3, PoolKind.DRAFT: [PageResult.FAILED] * 3}
+    assert not any((tmp_path / "store" / "tmp").iterdir())
+    monkeypatch.undo()
+    got = kit.read_back(store, kept + lost, 300_000)
+    assert [r for r, _ in got[PoolKind.KV]] == [PageResult.OK] * 3 + [PageResult.MISS] * 3
+    assert all(eq for _, eq in got[PoolKind.KV][:3]) and all(eq for _, eq in got[PoolKind.DRAFT][:3])
+
+
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_large_pages_round_trip_through_either_write_path(open_store, kit, io_threads: int) -> None:
+    """1 MiB pages (the writer thread's case with io_threads > 1), target and draft, byte-exact."""
+    store = open_store(io_threads=io_threads)
+    groups = [kit.group(i, 3) for i in range(6)]
+    res = store.page_set(kit.both(groups, 1 << 20))
+    assert res == {PoolKind.KV: [PageResult.OK] * 6, PoolKind.DRAFT: [PageResult.OK] * 6}
+    got = kit.read_back(store, groups, 1 << 20)
+    assert all(r is PageResult.OK and eq for pairs in got.values() for r, eq in pairs)
+    seg, _rec = store.backend.catalog.lookup(PoolKind.KV, f"{groups[0]}.{kit.NS[PoolKind.KV]}")
+    assert seg.index.data_end == 12 * (HEADER_SIZE + (1 << 20))  # one segment, records back to back
+    assert seg.path.stat().st_size == seg.index.size

@@ -127,6 +127,16 @@ class Operation:
         return True
 
 
+def _still_held(io_done: Future[Any], op: Operation | None) -> bool:
+    """True when the backend is done with the call's buffers; otherwise the operation tracks the call
+    so that :meth:`Operation.wait_released` covers it."""
+    if io_done.done():
+        return True
+    if op is not None:
+        op._track(io_done)
+    return False
+
+
 @dataclass
 class _PoolState:
     spec: PoolSpec
@@ -347,10 +357,7 @@ class CacheController:
             t0 = time.perf_counter()
             res, io_done = self.store.page_set_tracked(transfers)
             dt = time.perf_counter() - t0
-            if not io_done.done():
-                result.released = False
-                if _op is not None:
-                    _op._track(io_done)
+            result.released &= _still_held(io_done, _op)
             for kind, st in writers:
                 r = res[kind]
                 self.metrics.record_set(kind, r, st.part_nbytes, dt / len(writers))
@@ -419,10 +426,7 @@ class CacheController:
             t0 = time.perf_counter()
             res, io_done = self.store.page_get(transfers)
             dt = time.perf_counter() - t0
-            if not io_done.done():
-                result.released = False
-                if _op is not None:
-                    _op._track(io_done)
+            result.released &= _still_held(io_done, _op)
             for kind, st, staged in loads:
                 r = res[kind]
                 self.metrics.record_get(kind, r, st.part_nbytes, dt / len(loads))

@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -258,6 +258,16 @@ class MooncakeBackend(StorageBackend):
 
     @hookimpl
     def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
+        return self._each_chunk("put", self._set_chunk, transfers, deadline)
+
+    def _each_chunk(
+        self,
+        what: str,
+        run: Callable[[list[_Job], dict[PoolKind, list[PageResult]], float, Counter[str]], None],
+        transfers: Sequence[PageTransfer],
+        deadline: float,
+    ) -> dict[PoolKind, list[PageResult]]:
+        """Run ``run`` chunk by chunk within the deadline; a chunk that raises fails only its pages."""
         results = {t.pool: [FAILED] * len(t.pages) for t in transfers}
         jobs = self._jobs(transfers)
         if not jobs or not self._open():
@@ -268,9 +278,12 @@ class MooncakeBackend(StorageBackend):
                 if time.monotonic() >= deadline or self._breaker.down or self._closed:
                     break
                 try:
-                    self._set_chunk(chunk, results, deadline, counts)
+                    run(chunk, results, deadline, counts)
                 except Exception as exc:  # noqa: BLE001 (per-page failures, never an exception)
-                    self._note(f"set:{type(exc).__name__}", "mooncake put failed: %s: %s", type(exc).__name__, exc)
+                    for job in chunk:
+                        results[job.pool][job.index] = FAILED
+                    self._note(f"{what}:{type(exc).__name__}", "mooncake %s failed: %s: %s", what,
+                               type(exc).__name__, exc)
         finally:
             self._merge(counts)
         return results
@@ -355,24 +368,7 @@ class MooncakeBackend(StorageBackend):
 
     @hookimpl
     def page_get(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
-        results = {t.pool: [FAILED] * len(t.pages) for t in transfers}
-        jobs = self._jobs(transfers)
-        if not jobs or not self._open():
-            return results
-        counts: Counter[str] = Counter()
-        try:
-            for chunk in _chunks(jobs, self.opts.max_batch_pages):
-                if time.monotonic() >= deadline or self._breaker.down or self._closed:
-                    break
-                try:
-                    self._get_chunk(chunk, results, deadline, counts)
-                except Exception as exc:  # noqa: BLE001 (per-page failures, never an exception)
-                    for job in chunk:
-                        results[job.pool][job.index] = FAILED
-                    self._note(f"get:{type(exc).__name__}", "mooncake get failed: %s: %s", type(exc).__name__, exc)
-        finally:
-            self._merge(counts)
-        return results
+        return self._each_chunk("get", self._get_chunk, transfers, deadline)
 
     def _get_chunk(
         self, chunk: list[_Job], results: dict[PoolKind, list[PageResult]], deadline: float, counts: Counter[str]

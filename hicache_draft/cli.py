@@ -28,7 +28,7 @@ _err = Console(stderr=True)
 
 
 def _fail(message: str, code: int) -> None:
-    _err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True)
+    _err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
     sys.exit(code)
 
 
@@ -47,7 +47,7 @@ class _Group(click.Group):
             try:
                 cmd = ep.load()
             except Exception as exc:  # one broken plugin must not break the CLI
-                _err.print(f"[yellow]warning:[/] commands of plugin {ep.name!r} failed to load: {exc}")
+                _err.print(f"[yellow]warning:[/] commands of plugin {ep.name!r} failed to load: {exc}", soft_wrap=True)
                 continue
             if isinstance(cmd, click.Command):
                 self.add_command(cmd, ep.name)
@@ -141,7 +141,7 @@ def check(config_path: str, as_json: bool) -> None:
         return
     console = Console()
     console.print(f"config [bold]{config_path}[/] is valid; backend [bold]{report['backend']}[/] "
-                  f"({report['distribution'] or 'in-process'})")
+                  f"({report['distribution'] or 'in-process'})", soft_wrap=True)
     table = Table(title="I/O path per pool")
     table.add_column("pool")
     table.add_column("path")

@@ -211,6 +211,19 @@ def test_check_text_for_the_shipped_mla_mtp_example(no_construction):
     assert any("draft" in ln and "zero_copy" in ln for ln in lines), res.stdout
 
 
+def test_check_text_never_splits_the_config_path_or_backend_name(tmp_path, no_construction):
+    # Rich wraps at 80 columns when stdout is not a terminal; a long checkout path once split
+    # "backend hf3fs" over two lines. The header line is prose and must stay whole.
+    deep = tmp_path.joinpath(*["a-rather-long-directory-name"] * 4)
+    deep.mkdir(parents=True)
+    cfg = deep / MLA_MTP_EXAMPLE.name
+    cfg.write_text(MLA_MTP_EXAMPLE.read_text())
+    res = CliRunner().invoke(main, ["check", str(cfg)])
+    assert res.exit_code == 0, res.output
+    header = res.stdout.splitlines()[0]
+    assert str(cfg) in header and "backend hf3fs (hicache-draft-hf3fs)" in header, res.stdout
+
+
 def test_check_text_names_the_reason_for_a_disabled_draft(tmp_path, no_construction):
     cfg = write_config(tmp_path, config_dict(target="mla", draft="mha"))
     res = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["check", cfg])

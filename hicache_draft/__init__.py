@@ -29,6 +29,7 @@ from hicache_draft.page_format import (
     PageFormatError,
     checksum,
     make_header,
+    make_headers,
     parse_header,
     verify_payload,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "hookimpl",
     "load_config",
     "make_header",
+    "make_headers",
     "make_key",
     "page_hashes",
     "parse_header",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -37,6 +37,7 @@ FORMAT_VERSION = 1
 HEADER_SIZE = 64
 _HEAD = struct.Struct("<8sHBBIQQ12s16s")
 _HEAD_FULL = struct.Struct("<8sHBBIQQ12s16sI")  # the same, with the trailing header checksum
+_HEADER_SUM = struct.Struct("<I")
 _POOL_CODE = {PoolKind.KV: 0, PoolKind.DRAFT: 1}
 _CODE_POOL = {v: k for k, v in _POOL_CODE.items()}
 assert _HEAD.size + 4 == HEADER_SIZE
@@ -108,14 +109,55 @@ def make_header(
     key: str, namespace: str, pool: PoolKind, payload: Iterable[memoryview | bytes | bytearray]
 ) -> bytes:
     """The 64-byte header for a page whose payload is the concatenation of ``payload``."""
-    parts = list(payload)
-    return PageHeader(
-        pool=pool,
-        payload_len=sum(memoryview(p).nbytes for p in parts),
-        payload_checksum=checksum(parts),
-        namespace=namespace_bytes(namespace),
-        key_digest=key_digest(key),
-    ).pack()
+    out = bytearray(HEADER_SIZE)
+    _pack_headers(out, ((key, namespace, pool, payload),))
+    return bytes(out)
+
+
+def make_headers(
+    pages: Sequence[tuple[str, str, PoolKind, Sequence[memoryview | bytes | bytearray]]],
+) -> bytearray:
+    """The headers of many pages in one buffer: ``pages[i]`` is ``(key, namespace, pool,
+    payload parts)`` and its header is bytes ``64*i .. 64*i+64``, equal to :func:`make_header`'s.
+
+    For writers that batch: one allocation and one tight loop instead of a call per page (a
+    64 KiB page's header costs about a third of :func:`make_header`'s Python time this way)."""
+    out = bytearray(HEADER_SIZE * len(pages))
+    _pack_headers(out, pages)
+    return out
+
+
+def _pack_headers(
+    out: bytearray, pages: Iterable[tuple[str, str, PoolKind, Iterable[memoryview | bytes | bytearray]]]
+) -> None:
+    pack_into = _HEAD.pack_into
+    trailer_into = _HEADER_SUM.pack_into
+    one_shot = xxhash.xxh3_64_intdigest
+    streamed = xxhash.xxh3_64
+    digest = xxhash.xxh3_128_digest
+    head_sum = xxhash.xxh32_intdigest
+    codes = _POOL_CODE
+    view = memoryview(out)
+    at = 0
+    for key, namespace, pool, payload in pages:
+        parts = payload if isinstance(payload, (list, tuple)) else list(payload)
+        if len(parts) == 1:
+            p = parts[0]
+            n = p.nbytes if isinstance(p, memoryview) else memoryview(p).nbytes
+            csum = one_shot(p)
+        else:
+            h = streamed()
+            n = 0
+            for p in parts:
+                h.update(p)
+                n += p.nbytes if isinstance(p, memoryview) else memoryview(p).nbytes
+            csum = h.intdigest()
+        pack_into(
+            out, at, MAGIC, FORMAT_VERSION, codes[pool], 0, HEADER_SIZE, n, csum,
+            namespace_bytes(namespace), digest(key.encode()),
+        )
+        trailer_into(out, at + _HEAD.size, head_sum(view[at : at + _HEAD.size]))
+        at += HEADER_SIZE
 
 
 def parse_header(raw: bytes | memoryview, key: str, namespace: str, pool: PoolKind) -> PageHeader:

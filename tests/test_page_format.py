@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache_draft import HEADER_SIZE, HeaderProblem, PageFormatError, PoolKind, make_header, parse_header
+from hicache_draft import (
+    HEADER_SIZE,
+    HeaderProblem,
+    PageFormatError,
+    PoolKind,
+    make_header,
+    make_headers,
+    parse_header,
+)
 from hicache_draft.page_format import verify_payload
 
 KEY = "ab" * 32 + "." + "cd" * 12
@@ -27,6 +35,45 @@ def test_round_trip(payload):
     blob = _page(payload)
     assert len(blob) == HEADER_SIZE + len(payload)
     _check(blob, len(payload))
+
+
+def test_header_bytes_are_frozen():
+    # The on-disk format of every stored page: a change here makes earlier stores unreadable.
+    head = make_header(KEY, NS, PoolKind.DRAFT, [b"x" * 100, b"y" * 50])
+    assert head.hex() == (
+        "484344504147450001000100400000009600000000000000e8cdf76b56f71462"
+        "cdcdcdcdcdcdcdcdcdcdcdcd2568c787e244783c73df6645adc4116e17dbc3b2"
+    )
+
+
+_hex = st.text("0123456789abcdef", min_size=1, max_size=40)
+
+
+@given(st.lists(
+    st.tuples(
+        _hex, st.one_of(_hex, st.text(max_size=30)), st.sampled_from(list(PoolKind)),
+        st.lists(st.binary(max_size=300), max_size=3),
+        st.sampled_from(["bytes", "bytearray", "view", "wide_view"]),
+    ),
+    max_size=12,
+))
+def test_batched_headers_equal_one_by_one(pages):
+    def as_kind(part: bytes, kind: str) -> object:
+        if kind == "bytearray":
+            return bytearray(part)
+        if kind == "view":
+            return memoryview(part)
+        if kind == "wide_view" and len(part) % 4 == 0:
+            return memoryview(part).cast("I")  # nbytes != len: the length must be in bytes
+        return part
+
+    items = [(f"{g}.{g}", ns, pool, [as_kind(p, kind) for p in parts]) for g, ns, pool, parts, kind in pages]
+    batched = make_headers(items)
+    assert bytes(batched) == b"".join(make_header(*item) for item in items)
+    for i, (key, ns, pool, parts) in enumerate(items):
+        blob = bytes(batched[i * HEADER_SIZE : (i + 1) * HEADER_SIZE])
+        payload = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+        verify_payload(parse_header(blob, key, ns, pool), [payload], len(payload))
 
 
 def test_split_payload_buffers_hash_like_one():

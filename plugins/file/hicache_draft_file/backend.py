@@ -59,6 +59,7 @@ from hicache_draft_file.naming import (
     is_segment_name,
     key_problem,
     new_writer_id,
+    page_names_ok,
     segment_name,
 )
 from hicache_draft_file.options import FileOptions
@@ -343,23 +344,26 @@ class FileBackend(StorageBackend):
             return results
         self._poll()
         groups: dict[str, list[tuple[PoolKind, int, Page]]] = defaultdict(list)
+        sizes: dict[str, int] = defaultdict(int)  # bytes of each group's records
         for t in transfers:
-            if t.pool not in self.capabilities.pools:
-                self._log_once(f"pool:{t.pool}", "file backend: unknown pool %r; pages failed", t.pool)
+            pool = t.pool
+            if pool not in self.capabilities.pools:
+                self._log_once(f"pool:{pool}", "file backend: unknown pool %r; pages failed", pool)
                 continue
             for i, page in enumerate(t.pages):
-                problem = key_problem(page.key) or group_problem(page.group)
-                if problem:
+                key, group = page.key, page.group
+                if not page_names_ok(key, group):
+                    problem = key_problem(key) or group_problem(group)
                     self._log_once(f"badkey:{problem}", "file backend: page_set refused a page: %s", problem)
                     continue
-                groups[page.group].append((t.pool, i, page))
+                groups[group].append((pool, i, page))
+                sizes[group] += HEADER_SIZE + sum(b.nbytes for b in page.buffers)
         if self.opts.dedup:
             for group in [g for g, items in groups.items() if self._all_stored(items)]:
                 for pool, i, _page in groups.pop(group):
                     results[pool][i] = PageResult.OK
         batches = []
-        for batch in self._pack(groups):
-            size = sum(HEADER_SIZE + page.nbytes for _pool, _i, page in batch)
+        for batch, size in self._pack(groups, sizes):
             if self.opts.max_bytes is not None and size > self.opts.max_bytes:
                 self._log_once(
                     "set:toobig", "file backend: a group of %d bytes cannot fit max_bytes=%d; pages failed",
@@ -389,12 +393,12 @@ class FileBackend(StorageBackend):
         return all(page.key in keys[pool] for pool, _i, page in items)
 
     def _pack(
-        self, groups: Mapping[str, list[tuple[PoolKind, int, Page]]]
-    ) -> Iterator[list[tuple[PoolKind, int, Page]]]:
-        """Batches of whole groups, each at most ``segment_max_bytes`` (a bigger group alone);
-        a call of more than ``2 * _SPLIT_MIN`` bytes is cut in two halves written in parallel."""
-        sizes = {g: sum(HEADER_SIZE + p.nbytes for _pool, _i, p in items) for g, items in groups.items()}
-        total = sum(sizes.values())
+        self, groups: Mapping[str, list[tuple[PoolKind, int, Page]]], sizes: Mapping[str, int]
+    ) -> Iterator[tuple[list[tuple[PoolKind, int, Page]], int]]:
+        """Batches of whole groups with their bytes, each at most ``segment_max_bytes`` (a bigger
+        group alone); a call of more than ``2 * _SPLIT_MIN`` bytes is cut in two halves written
+        in parallel. ``sizes``: the bytes of each group's records."""
+        total = sum(sizes[g] for g in groups)
         limit = self.opts.segment_max_bytes
         if self._writers is not None and total >= 2 * _SPLIT_MIN:
             limit = min(limit, (total + 1) // 2)
@@ -403,12 +407,12 @@ class FileBackend(StorageBackend):
         for g, items in groups.items():
             add = sizes[g]
             if cur and size + add > limit:
-                yield cur
+                yield cur, size
                 cur, size = [], 0
             cur.extend(items)
             size += add
         if cur:
-            yield cur
+            yield cur, size
 
     def _write(self, batch: list[tuple[PoolKind, int, Page]]) -> bool:
         with self._lock:

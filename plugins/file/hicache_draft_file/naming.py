@@ -56,6 +56,15 @@ def group_problem(group: object) -> str | None:
     return None
 
 
+def page_names_ok(key: object, group: object) -> bool:
+    """Whether both ``key`` and ``group`` are valid (the fast check; the ``*_problem`` functions
+    say why not)."""
+    return (
+        isinstance(key, str) and isinstance(group, str) and len(key) <= MAX_KEY_LEN
+        and _KEY_RE.fullmatch(key) is not None and _GROUP_RE.fullmatch(group) is not None
+    )
+
+
 def is_segment_name(name: str) -> bool:
     """Whether ``name`` (without suffix) is a segment name this backend makes."""
     return _SEG_RE.fullmatch(name) is not None

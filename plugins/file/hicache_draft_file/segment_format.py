@@ -24,7 +24,6 @@ import os
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -47,17 +46,6 @@ class SegmentError(ValueError):
     """A segment file whose trailer or footer is not valid (truncated, foreign, damaged)."""
 
 
-@dataclass(frozen=True)
-class Record:
-    """One page in a segment, as the writer lays it out."""
-
-    key: str
-    group: str
-    pool: PoolKind
-    offset: int  # of the 64-byte header
-    payload_len: int
-
-
 @dataclass
 class SegmentIndex:
     """The parsed footer of one segment."""
@@ -74,19 +62,18 @@ class SegmentIndex:
         return len(self.keys)
 
 
-def build_footer(records: Sequence[Record], data_end: int) -> bytes:
-    """Footer and trailer bytes for ``records`` whose data ends at ``data_end``."""
-    offsets = array("Q", (r.offset for r in records))
-    lengths = array("Q", (r.payload_len for r in records))
-    pools = bytes(POOL_CODE[r.pool] for r in records)
-    keys = "\n".join(r.key for r in records).encode("ascii")
-    groups = "\n".join(r.group for r in records).encode("ascii")
+def build_footer(index: SegmentIndex) -> bytes:
+    """Footer and trailer bytes for the records of ``index`` (its ``size`` is not used)."""
+    offsets, lengths = index.offsets, index.lengths
+    keys = "\n".join(index.keys).encode("ascii")
+    groups = "\n".join(index.groups).encode("ascii")
     if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        offsets, lengths = array("Q", offsets), array("Q", lengths)
         offsets.byteswap()
         lengths.byteswap()
-    footer = offsets.tobytes() + lengths.tobytes() + pools + keys + groups
+    footer = b"".join((offsets.tobytes(), lengths.tobytes(), bytes(index.pools), keys, groups))
     head = _TRAILER.pack(
-        SEG_MAGIC, SEG_VERSION, 0, len(records), data_end, len(keys), len(groups),
+        SEG_MAGIC, SEG_VERSION, 0, len(index), index.data_end, len(keys), len(groups),
         xxhash.xxh3_64_intdigest(footer), b"\x00" * 20,
     )
     return footer + head + struct.pack("<I", xxhash.xxh32_intdigest(head))

@@ -10,14 +10,14 @@ import os
 import queue
 import threading
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
-from hicache_draft import HEADER_SIZE, Buffer, Page, PoolKind, make_header
+from hicache_draft import HEADER_SIZE, Buffer, Page, PoolKind, make_headers
 from hicache_draft_file.naming import RootLayout
-from hicache_draft_file.segment_format import POOL_CODE, Record, SegmentIndex, build_footer
+from hicache_draft_file.segment_format import POOL_CODE, SegmentIndex, build_footer
 from hicache_draft_file.vectored_io import WRITE_CHUNK, preallocate, pwritev_all
 
 # Segments under 1 MiB, or of records under 256 KiB on average, are written by the calling
@@ -78,36 +78,34 @@ def write_segment(
     the error raised (nothing published, nothing already stored touched).
 
     The layout and the footer depend only on the pages' sizes, so they are computed first and the
-    file is preallocated to its final size (where the filesystem supports it). Then each page's
-    header (xxh3 of its payload) is made and whole records are written in calls of about
-    ``chunk`` bytes (a larger record is cut into ``chunk``-byte calls). With ``io`` (and at least
-    ``_PIPELINE_MIN`` bytes) the calls are handed to a thread of ``io`` as they are made, so the
-    headers of the next records are computed while the previous ones are copied into the file
-    (``pwritev`` and xxh3 both release the GIL). ``view`` gives a buffer's bytes (the backend
-    passes slices of its registered regions, cheaper than ``Buffer.view``).
+    file is preallocated to its final size (where the filesystem supports it). Then whole records
+    are written in calls of about ``chunk`` bytes (a larger record is cut into ``chunk``-byte
+    calls), the headers (xxh3 of each payload) of one call's records made together
+    (:func:`hicache_draft.make_headers`) right before it (see :func:`_record_calls`). With ``io`` (and at least
+    ``_PIPELINE_MIN`` bytes of large records) the calls are handed to a thread of ``io`` as they
+    are made, so the header of the next record is computed while the previous ones are copied into
+    the file (``pwritev`` and xxh3 both release the GIL). ``view`` gives a buffer's bytes (the
+    backend passes slices of its registered regions, cheaper than ``Buffer.view``).
     """
     tmp, fd, old_size, recycled = claim_file(layout, name)
     try:
-        records: list[Record] = []
-        offset = 0
-        for pool, page in items:
-            n = page.nbytes
-            records.append(Record(page.key, page.group, pool, offset, n))
-            offset += HEADER_SIZE + n
-        footer = build_footer(records, offset)
-        end = offset + len(footer)
+        views = [[view(b) for b in page.buffers] for _pool, page in items]
+        index = _index_of(items, views)
+        footer = build_footer(index)
+        end = index.data_end + len(footer)
+        index.size = end
         if old_size < end:
             preallocate(fd, end)
-        if io is not None and offset >= max(_PIPELINE_MIN, _PIPELINE_MIN_RECORD * len(records)):
-            _write_pipelined(fd, items, records, view, chunk, io)
+        if io is not None and index.data_end >= max(_PIPELINE_MIN, _PIPELINE_MIN_RECORD * len(items)):
+            _write_pipelined(fd, items, views, index, chunk, io)
         else:
-            _write_records(items, records, view, chunk, lambda iov, at: pwritev_all(fd, iov, at, chunk))
-        pwritev_all(fd, [memoryview(footer)], offset)
+            for iov, at in _record_calls(items, views, index, chunk):
+                pwritev_all(fd, iov, at, chunk)
+        pwritev_all(fd, [memoryview(footer)], index.data_end)
         if old_size > end:
             os.ftruncate(fd, end)
         if fsync:
             os.fsync(fd)
-        index = _index_of(records, offset, end)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
@@ -116,52 +114,47 @@ def write_segment(
     return WrittenSegment(name=name, tmp_path=tmp, fd=fd, index=index, recycled=recycled)
 
 
-_Emit = Callable[[list[memoryview], int], object]
-
-
-def _write_records(
-    items: Sequence[tuple[PoolKind, Page]],
-    records: Sequence[Record],
-    view: Callable[[Buffer], memoryview],
-    chunk: int,
-    emit: _Emit,
-) -> None:
-    """Records (header + payload) from offset 0 as ``emit(views, offset)``: whole records
-    up to ``chunk`` bytes per call, a larger record alone (cut into ``chunk``-byte calls by
-    :func:`pwritev_all`). Each header is made right before its record is handed on."""
-    iov: list[memoryview] = []
-    pending = 0  # bytes in iov
-    at = 0  # file offset of iov[0]
-    for (pool, page), rec in zip(items, records, strict=True):
-        bufs = [view(b) for b in page.buffers]
-        span = HEADER_SIZE + rec.payload_len
-        head = memoryview(make_header(page.key, page.namespace, pool, bufs))
-        if pending and pending + span > chunk:
-            emit(iov, at)
-            at += pending
-            iov, pending = [], 0
-        if span > chunk:
-            emit([head, *bufs], at)
-            at += span
-        else:
-            iov.append(head)
-            iov.extend(bufs)
-            pending += span
-    if pending:
-        emit(iov, at)
+def _record_calls(
+    items: Sequence[tuple[PoolKind, Page]], views: Sequence[Sequence[memoryview]], index: SegmentIndex, chunk: int
+) -> Iterator[tuple[list[memoryview], int]]:
+    """The writes of a segment's records as ``(views, file offset)``: whole records (header then
+    payload) up to ``chunk`` bytes per call, a larger record alone (cut into ``chunk``-byte calls
+    by :func:`pwritev_all`). The headers of a call's records are made together, right before the
+    call is handed on: the payloads their checksums just read are still in the CPU cache when the
+    kernel copies them into the file, and a call's pages pay one header call."""
+    lengths, offsets = index.lengths, index.offsets
+    n = len(items)
+    lo = 0
+    while lo < n:
+        hi = lo + 1
+        total = HEADER_SIZE + lengths[lo]
+        while hi < n and total + HEADER_SIZE + lengths[hi] <= chunk:
+            total += HEADER_SIZE + lengths[hi]
+            hi += 1
+        heads = memoryview(make_headers([
+            (page.key, page.namespace, pool, views[i]) for i, (pool, page) in enumerate(items[lo:hi], lo)
+        ]))
+        iov: list[memoryview] = []
+        at = 0
+        for i in range(lo, hi):
+            iov.append(heads[at : at + HEADER_SIZE])
+            iov.extend(views[i])
+            at += HEADER_SIZE
+        yield iov, offsets[lo]
+        lo = hi
 
 
 def _write_pipelined(
     fd: int,
     items: Sequence[tuple[PoolKind, Page]],
-    records: Sequence[Record],
-    view: Callable[[Buffer], memoryview],
+    views: Sequence[Sequence[memoryview]],
+    index: SegmentIndex,
     chunk: int,
     io: Executor,
 ) -> None:
-    """:func:`_write_records` with the writes done by a thread of ``io``, fed through a queue.
-    The writer stops at its first error, which is raised here once this thread has stopped
-    feeding it; the file descriptor is never closed while the writer may still use it."""
+    """The record writes done by a thread of ``io``, fed through a queue while this thread makes
+    the next headers. The writer stops at its first error, which is raised here once this thread
+    has stopped feeding it; the file descriptor is never closed while the writer may still use it."""
     calls: queue.SimpleQueue[tuple[list[memoryview], int, int] | None] = queue.SimpleQueue()
     failed = threading.Event()
 
@@ -173,20 +166,17 @@ def _write_pipelined(
             failed.set()
             raise
 
-    def emit(iov: list[memoryview], at: int) -> None:
-        if failed.is_set():
-            raise _WriterStopped
-        calls.put((iov, at, chunk))
-
     try:
         writer = io.submit(drain)
     except RuntimeError:  # the executor is shut down (the backend is closing): write inline
-        _write_records(items, records, view, chunk, lambda iov, at: pwritev_all(fd, iov, at, chunk))
+        for iov, at in _record_calls(items, views, index, chunk):
+            pwritev_all(fd, iov, at, chunk)
         return
     try:
-        _write_records(items, records, view, chunk, emit)
-    except _WriterStopped:
-        pass
+        for iov, at in _record_calls(items, views, index, chunk):
+            if failed.is_set():
+                break
+            calls.put((iov, at, chunk))
     finally:
         calls.put(None)
         error = writer.exception()  # waits: the writer is done with fd before anyone closes it
@@ -194,19 +184,23 @@ def _write_pipelined(
         raise error
 
 
-class _WriterStopped(Exception):
-    """The writer thread failed; stop making records (its error is raised instead)."""
-
-
-def _index_of(records: Sequence[Record], data_end: int, size: int) -> SegmentIndex:
+def _index_of(items: Sequence[tuple[PoolKind, Page]], views: Sequence[Sequence[memoryview]]) -> SegmentIndex:
+    """The index of a segment holding ``items`` in order from offset 0 (``size`` is set once the
+    footer is made)."""
+    lengths = array("Q", [sum(v.nbytes for v in vs) for vs in views])
+    offsets = array("Q", bytes(8 * len(items)))
+    at = 0
+    for i, n in enumerate(lengths):
+        offsets[i] = at
+        at += HEADER_SIZE + n
     return SegmentIndex(
-        size=size,
-        data_end=data_end,
-        keys=[r.key for r in records],
-        groups=[r.group for r in records],
-        pools=bytes(POOL_CODE[r.pool] for r in records),
-        offsets=array("Q", (r.offset for r in records)),
-        lengths=array("Q", (r.payload_len for r in records)),
+        size=0,
+        data_end=at,
+        keys=[page.key for _pool, page in items],
+        groups=[page.group for _pool, page in items],
+        pools=bytes([POOL_CODE[pool] for pool, _page in items]),
+        offsets=offsets,
+        lengths=lengths,
     )
 
 

@@ -42,22 +42,32 @@ def _calls(views: Sequence[memoryview], chunk: int) -> list[list[memoryview]]:
 
 def pwritev_all(fd: int, views: Sequence[memoryview], offset: int, chunk: int = WRITE_CHUNK) -> int:
     """Write the concatenation of ``views`` at ``offset``; return the offset after it."""
-    for call in _calls(views, chunk):
-        pending = call
-        while pending:
-            done = os.pwritev(fd, pending, offset)
-            if done <= 0:
-                raise OSError(errno.EIO, "pwritev made no progress")
-            offset += done
-            while done:
-                n = pending[0].nbytes
-                if done >= n:
-                    done -= n
-                    pending = pending[1:]
-                else:
-                    pending = [pending[0][done:], *pending[1:]]
-                    done = 0
+    total = sum(v.nbytes for v in views)
+    # the usual call: already one chunk's worth, written whole by one pwritev
+    calls = [views] if total <= chunk and len(views) <= IOV_MAX else _calls(views, chunk)
+    for call in calls:
+        want = total if call is views else sum(v.nbytes for v in call)
+        done = os.pwritev(fd, call, offset) if want else 0
+        offset += done
+        if done != want:
+            offset = _finish(fd, call, done, offset)
     return offset
+
+
+def _finish(fd: int, call: Sequence[memoryview], done: int, offset: int) -> int:
+    """Complete a ``pwritev`` of ``call`` that wrote only its first ``done`` bytes."""
+    pending = list(call)
+    while True:
+        while pending and done >= pending[0].nbytes:
+            done -= pending.pop(0).nbytes
+        if not pending:
+            return offset
+        if done:
+            pending[0] = pending[0][done:]
+        done = os.pwritev(fd, pending, offset)
+        if done <= 0:
+            raise OSError(errno.EIO, "pwritev made no progress")
+        offset += done
 
 
 def preadv_all(fd: int, views: Sequence[memoryview], offset: int) -> int:

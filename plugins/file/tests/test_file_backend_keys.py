@@ -5,7 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hicache_draft_file.naming import fanout_dir, is_segment_name, key_problem, segment_name
+from hicache_draft_file.naming import (
+    fanout_dir,
+    group_problem,
+    is_segment_name,
+    key_problem,
+    page_names_ok,
+    segment_name,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +56,15 @@ def test_any_accepted_key_is_plain_hex_and_dot(key: str) -> None:
         head, _, tail = key.partition(".")
         assert head and tail and "/" not in key and ".." not in key and not os.path.isabs(key)
         assert set(head + tail) <= set("0123456789abcdef") and len(key) <= 255
+
+
+_names = st.one_of(st.text(max_size=300), st.text("0123456789abcdef.", max_size=300), st.integers(), st.none())
+
+
+@given(_names, _names)
+@settings(max_examples=300, deadline=None)
+def test_the_fast_name_check_agrees_with_the_explained_one(key: object, group: object) -> None:
+    assert page_names_ok(key, group) is (key_problem(key) is None and group_problem(group) is None)
 
 
 @given(st.text(alphabet="0123456789abcdef", min_size=16, max_size=16), st.integers(0, 2**40))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from hicache_draft_file import segment_writer
 from hicache_draft_file.naming import RootLayout
 from hicache_draft_file.root_setup import prepare_root
-from hicache_draft_file.segment_format import Record, build_footer, read_index
+from hicache_draft_file.segment_format import POOL_CODE, SegmentIndex, build_footer, read_index
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -47,14 +48,19 @@ def _pages(sizes: list[int], split: bool) -> tuple[list[tuple[PoolKind, Page]], 
 
 def _expected(items: list[tuple[PoolKind, Page]]) -> bytes:
     out = bytearray()
-    records = []
+    offsets = []
     for pool, page in items:
         views = [b.view() for b in page.buffers]
-        records.append(Record(page.key, page.group, pool, len(out), page.nbytes))
+        offsets.append(len(out))
         out += make_header(page.key, page.namespace, pool, views)
         for v in views:
             out += v
-    return bytes(out + build_footer(records, len(out)))
+    index = SegmentIndex(
+        size=0, data_end=len(out), keys=[p.key for _pool, p in items], groups=[p.group for _pool, p in items],
+        pools=bytes(POOL_CODE[pool] for pool, _p in items), offsets=array("Q", offsets),
+        lengths=array("Q", [p.nbytes for _pool, p in items]),
+    )
+    return bytes(out + build_footer(index))
 
 
 def _layout(root: Path) -> RootLayout:

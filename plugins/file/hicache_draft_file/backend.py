@@ -354,7 +354,7 @@ class FileBackend(StorageBackend):
                 key, group = page.key, page.group
                 if not page_names_ok(key, group):
                     problem = key_problem(key) or group_problem(group)
-                    self._log_once(f"badkey:{problem}", "file backend: page_set refused a page: %s", problem)
+                    self._log_once("set:badkey", "file backend: page_set refused a page (and maybe more): %s", problem)
                     continue
                 groups[group].append((pool, i, page))
                 sizes[group] += HEADER_SIZE + sum(b.nbytes for b in page.buffers)

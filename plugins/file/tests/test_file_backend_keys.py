@@ -72,3 +72,15 @@ def test_segment_names_are_plain_and_fanned_out(writer: str, seq: int) -> None:
     name = segment_name(writer, seq)
     assert is_segment_name(name) and "/" not in name
     assert len(fanout_dir(name)) == 2 and int(fanout_dir(name), 16) < 256
+
+
+def test_a_batch_of_bad_keys_warns_once(open_store, kit, caplog) -> None:
+    store = open_store()
+    ns = kit.NS[PoolKind.KV]
+    bad = [Page(f"x{i:03d}.{ns}", kit.group(i), ns, (Buffer.of(bytearray(64)),)) for i in range(50)]
+    with caplog.at_level("WARNING", logger="hicache_draft_file"):
+        res = store.page_set([PageTransfer(PoolKind.KV, bad)])[PoolKind.KV]
+    assert res == [PageResult.FAILED] * 50
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "refused" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    assert "x000" in warned[0].getMessage()  # the first bad key is named

@@ -464,13 +464,13 @@ class FileBackend(StorageBackend):
                 last: list[_Item] = []
                 for i, page in enumerate(t.pages):
                     key = page.key
-                    entry = keys.get(key) if keys is not None and isinstance(key, str) else None
-                    if entry is None:
+                    value = keys.get(key) if keys is not None and isinstance(key, str) else None
+                    if value is None:
                         if key_problem(key):
                             results[pool][i] = PageResult.FAILED
                             self._log_once("get:badkey", "file backend: page_get: %s", key_problem(key))
                         continue
-                    seg, rec = entry
+                    seg, rec = self.catalog.entry(value)
                     index = seg.index
                     stored = index.lengths[rec]
                     bufs = page.buffers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import compress
 from pathlib import Path
 
 from hicache_draft import HEADER_SIZE, PoolKind
@@ -24,6 +25,7 @@ class Segment:
     path: Path
     index: SegmentIndex
     live: bool = field(default=True)
+    sid: int = field(default=-1)  # the catalog's number for it, set by Catalog.add
 
     @property
     def size(self) -> int:
@@ -37,6 +39,11 @@ class Segment:
 
 
 Entry = tuple[Segment, int]
+_REC_BITS = 32  # a key's value in Catalog.keys: (segment number << _REC_BITS) | record number
+_REC_MASK = (1 << _REC_BITS) - 1
+
+# pool code -> a translation table turning a footer's pool codes into 1 where they equal it, else 0
+_MASKS = {code: bytes(int(c == code) for c in range(256)) for code in CODE_POOL}
 
 
 class Catalog:
@@ -44,7 +51,13 @@ class Catalog:
 
     def __init__(self) -> None:
         self.segments: dict[str, Segment] = {}
-        self.keys: dict[PoolKind, dict[str, Entry]] = {p: {} for p in PoolKind}
+        # pool -> key -> (segment number << 32) | record number. Plain ints rather than
+        # (segment, record) tuples: a tuple holding an object stays tracked by Python's garbage
+        # collector, and millions of them made every collection walk the whole index (a restart
+        # with 100k pages spent two thirds of its time in the collector).
+        self.keys: dict[PoolKind, dict[str, int]] = {p: {} for p in PoolKind}
+        self.by_sid: dict[int, Segment] = {}
+        self._next_sid = 0
         self._groups: dict[str, str | set[str]] = {}
         self.bytes = 0
         self.pages = 0
@@ -53,34 +66,52 @@ class Catalog:
         return name in self.segments
 
     def lookup(self, pool: PoolKind, key: str) -> Entry | None:
-        return self.keys[pool].get(key)
+        value = self.keys[pool].get(key)
+        return None if value is None else self.entry(value)
+
+    def entry(self, value: int) -> Entry:
+        """``(segment, record number)`` of a value of :attr:`keys`."""
+        return self.by_sid[value >> _REC_BITS], value & _REC_MASK
 
     def add(self, seg: Segment) -> None:
         if seg.name in self.segments:
             return
         self.segments[seg.name] = seg
+        seg.sid = self._next_sid
+        self._next_sid += 1
+        self.by_sid[seg.sid] = seg
         self.bytes += seg.size
         self.pages += len(seg.index)
+        # Bulk dictionary operations in C: a restart adds every stored page through here.
         idx = seg.index
-        maps = [self.keys[CODE_POOL[c]] for c in sorted(CODE_POOL)]
-        groups = self._groups
+        base = seg.sid << _REC_BITS
+        values = range(base, base + len(idx))
+        pools = bytes(idx.pools)
+        for code, pool in CODE_POOL.items():
+            have = pools.count(code)
+            if have == len(pools):
+                self.keys[pool].update(zip(idx.keys, values, strict=True))
+            elif have:
+                self.keys[pool].update(compress(zip(idx.keys, values, strict=True), pools.translate(_MASKS[code])))
         name = seg.name
-        for i, (key, group, code) in enumerate(zip(idx.keys, idx.groups, idx.pools, strict=True)):
-            maps[code][key] = (seg, i)
-            have = groups.get(group)
-            if have is None:
-                groups[group] = name
-            elif isinstance(have, str):
-                if have != name:
-                    groups[group] = {have, name}
+        groups = self._groups
+        new = dict.fromkeys(idx.groups, name)
+        for group in new.keys() & groups.keys():  # groups already stored elsewhere (rare)
+            del new[group]
+            have_g = groups[group]
+            if isinstance(have_g, str):
+                if have_g != name:
+                    groups[group] = {have_g, name}
             else:
-                have.add(name)
+                have_g.add(name)
+        groups.update(new)
 
     def remove(self, name: str) -> Segment | None:
         seg = self.segments.pop(name, None)
         if seg is None:
             return None
         seg.live = False
+        del self.by_sid[seg.sid]
         self.bytes -= seg.size
         self.pages -= len(seg.index)
         idx = seg.index
@@ -88,8 +119,8 @@ class Catalog:
         groups = self._groups
         for key, group, code in zip(idx.keys, idx.groups, idx.pools, strict=True):
             m = maps[code]
-            entry = m.get(key)
-            if entry is not None and entry[0] is seg:
+            value = m.get(key)
+            if value is not None and value >> _REC_BITS == seg.sid:
                 del m[key]
             have = groups.get(group)
             if have == name:

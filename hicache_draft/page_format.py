@@ -120,8 +120,9 @@ def make_headers(
     """The headers of many pages in one buffer: ``pages[i]`` is ``(key, namespace, pool,
     payload parts)`` and its header is bytes ``64*i .. 64*i+64``, equal to :func:`make_header`'s.
 
-    For writers that batch: one allocation and one tight loop instead of a call per page (a
-    64 KiB page's header costs about a third of :func:`make_header`'s Python time this way)."""
+    For writers that batch: one buffer and one loop instead of a call and a bytes object per page
+    (128 headers of 64 KiB pages: 0.45 ms instead of 0.55 ms on the development VM, of which xxh3
+    over the 8 MiB of payload is about 0.2 ms)."""
     out = bytearray(HEADER_SIZE * len(pages))
     _pack_headers(out, pages)
     return out

@@ -121,8 +121,8 @@ def make_headers(
     payload parts)`` and its header is bytes ``64*i .. 64*i+64``, equal to :func:`make_header`'s.
 
     For writers that batch: one buffer and one loop instead of a call and a bytes object per page
-    (128 headers of 64 KiB pages: 0.45 ms instead of 0.55 ms on the development VM, of which xxh3
-    over the 8 MiB of payload is about 0.2 ms)."""
+    (128 headers of two-buffer 64 KiB pages: 0.46 ms against 0.64 ms through :func:`make_header`
+    on the development VM, xxh3 over the 8 MiB of payload included)."""
     out = bytearray(HEADER_SIZE * len(pages))
     _pack_headers(out, pages)
     return out

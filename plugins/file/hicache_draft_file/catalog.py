@@ -53,8 +53,8 @@ class Catalog:
         self.segments: dict[str, Segment] = {}
         # pool -> key -> (segment number << 32) | record number. Plain ints rather than
         # (segment, record) tuples: a tuple holding an object stays tracked by Python's garbage
-        # collector, and millions of them made every collection walk the whole index (a restart
-        # with 100k pages spent two thirds of its time in the collector).
+        # collector, and millions of them made every collection walk the whole index (indexing
+        # 100k pages at a restart spent two thirds of its time in the collector).
         self.keys: dict[PoolKind, dict[str, int]] = {p: {} for p in PoolKind}
         self.by_sid: dict[int, Segment] = {}
         self._next_sid = 0

@@ -87,13 +87,6 @@ class PageHeader:
     namespace: bytes
     key_digest: bytes
 
-    def pack(self) -> bytes:
-        head = _HEAD.pack(
-            MAGIC, FORMAT_VERSION, _POOL_CODE[self.pool], 0, HEADER_SIZE, self.payload_len,
-            self.payload_checksum, self.namespace, self.key_digest,
-        )
-        return head + struct.pack("<I", xxhash.xxh32_intdigest(head))
-
 
 @functools.lru_cache(maxsize=1024)
 def namespace_bytes(namespace: str) -> bytes:
@@ -135,7 +128,6 @@ def _pack_headers(
     trailer_into = _HEADER_SUM.pack_into
     one_shot = xxhash.xxh3_64_intdigest
     streamed = xxhash.xxh3_64
-    digest = xxhash.xxh3_128_digest
     head_sum = xxhash.xxh32_intdigest
     codes = _POOL_CODE
     view = memoryview(out)
@@ -155,7 +147,7 @@ def _pack_headers(
             csum = h.intdigest()
         pack_into(
             out, at, MAGIC, FORMAT_VERSION, codes[pool], 0, HEADER_SIZE, n, csum,
-            namespace_bytes(namespace), digest(key.encode()),
+            namespace_bytes(namespace), key_digest(key),
         )
         trailer_into(out, at + _HEAD.size, head_sum(view[at : at + _HEAD.size]))
         at += HEADER_SIZE

@@ -357,7 +357,7 @@ class FileBackend(StorageBackend):
                     self._log_once("set:badkey", "file backend: page_set refused a page (and maybe more): %s", problem)
                     continue
                 groups[group].append((pool, i, page))
-                sizes[group] += HEADER_SIZE + sum(b.nbytes for b in page.buffers)
+                sizes[group] += HEADER_SIZE + page.nbytes
         if self.opts.dedup:
             for group in [g for g, items in groups.items() if self._all_stored(items)]:
                 for pool, i, _page in groups.pop(group):

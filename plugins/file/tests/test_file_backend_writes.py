@@ -67,6 +67,18 @@ def _layout(root: Path) -> RootLayout:
     return prepare_root(root, create=True, read_only=False)
 
 
+def _write(
+    layout: RootLayout, name: str, items: list[tuple[PoolKind, Page]], threaded: bool, chunk: int
+) -> segment_writer.WrittenSegment:
+    """``write_segment`` in the calling thread, or with a one-thread writer pool (shut down after)."""
+    io = ThreadPoolExecutor(1) if threaded else None
+    try:
+        return segment_writer.write_segment(layout, name, items, False, Buffer.view, io, chunk)
+    finally:
+        if io is not None:
+            io.shutdown()
+
+
 @pytest.fixture
 def pipeline_always(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hand every segment to the writer thread, however small (the thresholds only pick the faster
@@ -104,12 +116,7 @@ def test_a_segment_holds_exactly_headers_payloads_and_footer(
     if not prealloc:
         monkeypatch.setattr(segment_writer, "preallocate", lambda fd, size: False)
     items, _keep = _pages(sizes, split)
-    io = ThreadPoolExecutor(1) if threaded else None
-    try:
-        ws = segment_writer.write_segment(layout, "00000000000000aa-00000001", items, False, Buffer.view, io, chunk)
-    finally:
-        if io is not None:
-            io.shutdown()
+    ws = _write(layout, "00000000000000aa-00000001", items, threaded, chunk)
     try:
         want = _expected(items)
         assert ws.recycled is (recycled is not None)
@@ -139,13 +146,8 @@ def test_a_failed_write_removes_the_temp_file_and_raises(
     monkeypatch.setattr(segment_writer, "pwritev_all", flaky)
     items, _keep = _pages([65536] * 8, split=True)
     fds_before = len(os.listdir("/proc/self/fd"))
-    io = ThreadPoolExecutor(1) if threaded else None
-    try:
-        with pytest.raises(OSError) as err:
-            segment_writer.write_segment(layout, "00000000000000bb-00000001", items, False, Buffer.view, io, 65536)
-    finally:
-        if io is not None:
-            io.shutdown()
+    with pytest.raises(OSError) as err:
+        _write(layout, "00000000000000bb-00000001", items, threaded, 65536)
     assert err.value.errno == errno.ENOSPC
     assert len(calls) == fail_at + 1, "writes went on after the first failure"
     assert list(layout.tmp.iterdir()) == []
@@ -206,12 +208,7 @@ def test_record_writes_are_whole_aligned_chunks(
 
     monkeypatch.setattr(segment_writer, "pwritev_all", spy)
     items, _keep = _pages(sizes, split=True)
-    io = ThreadPoolExecutor(1) if threaded else None
-    try:
-        ws = segment_writer.write_segment(layout, "00000000000000cc-00000001", items, False, Buffer.view, io, chunk)
-    finally:
-        if io is not None:
-            io.shutdown()
+    ws = _write(layout, "00000000000000cc-00000001", items, threaded, chunk)
     os.close(ws.fd)
     records, footer = seen[:-1], seen[-1]
     assert footer[0] == ws.index.data_end

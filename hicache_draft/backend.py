@@ -8,7 +8,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from hicache_draft.capabilities import Capabilities
-from hicache_draft.hookspecs import API_VERSION, hookimpl
+from hicache_draft.hookspecs import hookimpl
 from hicache_draft.transfer import PoolRegistration
 
 
@@ -40,14 +40,15 @@ class StorageBackend:
 
     * ``capabilities``: a :class:`~hicache_draft.Capabilities` (or a dict of its fields).
     * ``Options``: a pydantic model for ``[backend_options]``; the default accepts none.
-    * ``api_version``: the contract version you wrote against.
+    * ``api_version``: the contract version you wrote against (required, no default: a backend
+      written for an older contract must not silently claim a newer one).
 
     The constructor receives the validated options and a :class:`BackendContext`. Raise
     :class:`~hicache_draft.BackendSetupError` with a message that names what to fix when the
     backend cannot start (a missing root, an unreachable master, ...).
     """
 
-    api_version: ClassVar[int] = API_VERSION
+    api_version: ClassVar[int]
     capabilities: ClassVar[Capabilities]
     Options: ClassVar[type[BaseModel]] = NoOptions
 

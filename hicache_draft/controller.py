@@ -191,6 +191,7 @@ class CacheController:
                 page_size=spec.page_size, layers=spec.layers, layout=spec.layout, kv_heads=spec.kv_heads or None,
                 head_dim=spec.head_dim or None, latent_dim=spec.latent_dim or None, tp_rank=par.tp_rank,
                 tp_size=par.tp_size, pp_rank=par.pp_rank, pp_size=par.pp_size, tp_lcm_size=par.tp_lcm_size,
+                target_model=config.namespace.model,
             )
             writer = spec.attention is Attention.MHA or par.tp_rank == 0
             state = _PoolState(spec, host, self.plan[kind], [i.fingerprint() for i in idents], split, writer)

@@ -7,10 +7,17 @@ observer plugins (metrics, tracing) that wrap the calls with ``@hookimpl(wrapper
 Rules every backend keeps:
 
 * Results are per page: a batch may partly fail. Return one :class:`~hicache_draft.PageResult`
-  per page, in order. Never return data you could not validate: a corrupt page is ``CORRUPT``.
+  per page, in order.
+* Integrity is the core's. Every page carries a 64-byte ``header`` buffer: on ``page_set`` the
+  header the core made (magic, key digest, namespace, payload length and xxh3 checksum): store it
+  with the page's bytes; on ``page_get`` write the stored header into it. The core verifies header
+  and payload of every page you report ``OK``; a mismatch is counted ``CORRUPT``, never data. So a
+  backend need not re-verify, but may (to report ``CORRUPT`` itself, or to drop a bad copy).
 * Do not raise for I/O trouble: report ``FAILED`` (hicache-draft also turns exceptions and
   timeouts into ``FAILED``, but the backend knows better which pages failed).
-* Respect ``deadline`` (a :func:`time.monotonic` value) where you can; every call is bounded.
+* Respect ``deadline`` (a :func:`time.monotonic` value). A call still running at its deadline is
+  abandoned: its pages count as ``FAILED`` whatever it returns later, and the memory it was given
+  stays reserved until it returns. Do not touch the buffers after the deadline.
 * A hookimpl may take any subset of a hook's arguments, by name. A misspelt argument or hook
   name is refused when the backend is registered.
 """
@@ -25,9 +32,10 @@ from hicache_draft.capabilities import PoolKind
 from hicache_draft.transfer import Buffer, PageResult, PageTransfer, PoolRegistration
 
 PROJECT = "hicache_draft"
-API_VERSION = 1
-"""The storage contract version. A backend class declares ``api_version``; a different major
-version is refused by name and reason at discovery."""
+API_VERSION = 2
+"""The storage contract version. A backend class declares ``api_version``; a different version is
+refused by name and reason at discovery. 2: pages carry the core's ``header`` (store it on set,
+return it on get); the core verifies every restored page."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -48,18 +56,20 @@ def page_set(transfers: Sequence[PageTransfer], deadline: float) -> Mapping[Pool
     """Store pages. ``transfers`` holds one :class:`PageTransfer` per pool (target and draft of
     one backup come in one call). Read each page's bytes from its buffers.
 
-    Return, for every pool in ``transfers``, one result per page: ``OK`` when the page is stored
-    (or was already stored: equal keys mean equal bytes, so skipping is fine) or ``FAILED``.
-    The buffers are only valid during the call.
+    Return, for every pool in ``transfers``, one result per page: ``OK`` when the page and its
+    ``header`` are stored (or were already stored: equal keys mean equal bytes, so skipping is
+    fine) or ``FAILED``. The buffers are only valid until the call returns or its deadline passes.
     """
 
 
 @hookspec(firstresult=True)
 def page_get(transfers: Sequence[PageTransfer], deadline: float) -> Mapping[PoolKind, Sequence[PageResult]]:
-    """Load pages into the given buffers, which the backend fills completely.
+    """Load pages into the given buffers, which the backend fills completely, and each page's
+    stored 64-byte header into ``page.header``.
 
-    Return one result per page: ``OK`` (buffers hold exactly the stored bytes), ``MISS``,
-    ``CORRUPT`` (stored data failed validation; leave it unreturned) or ``FAILED``.
+    Return one result per page: ``OK`` (header and buffers hold exactly the stored bytes), ``MISS``,
+    ``CORRUPT`` (stored data failed validation; leave it unreturned) or ``FAILED``. The core
+    verifies every ``OK`` page against its header; one that does not match counts as ``CORRUPT``.
     A page whose result is not ``OK`` may have buffers partly written; the controller treats
     them as garbage. Once ``page_get`` has returned, it must not touch the buffers again.
     """

@@ -6,7 +6,9 @@ machine (no dependence on ``PYTHONHASHSEED``).
 
 A storage key is ``f"{page_hash}.{namespace}"`` where ``namespace`` is a 96-bit fingerprint of
 every dimension that changes the page's bytes: key format version, model identity (target or
-draft weights), pool name, dtype, attention type, page size, layer count, head shape, layout,
+draft weights), for a draft pool also the target model's identity (the draft's KV is computed
+from the target's hidden states, so one draft head over two target revisions holds different
+bytes), pool name, dtype, attention type, page size, layer count, head shape, layout,
 pipeline rank, and for sharded (MHA) pools the global head group ``tp_rank * split + part`` out
 of ``tp_lcm_size`` groups (``tp_size`` when not split), with its head count: that is what lets
 ``tp_size = 2`` and ``tp_size = 4`` servers with one ``tp_lcm_size`` share pages head for head.
@@ -23,7 +25,8 @@ from dataclasses import asdict, dataclass
 
 from hicache_draft.capabilities import Attention, Layout, PoolKind
 
-KEY_FORMAT_VERSION = 1
+KEY_FORMAT_VERSION = 2
+"""2: draft namespaces carry the target model's identity (stores written by version 1 simply miss)."""
 _U32 = struct.Struct("<I")
 
 
@@ -65,6 +68,7 @@ class PoolIdentity:
     heads: int = 0  # mha: heads in this key's shard or head group
     latent_dim: int = 0  # mla
     shard: str = ""  # mha: "hg{group}/{groups}", the global head group; mla: "" (replicated)
+    target: str = ""  # draft pools: the target model's identity (its hidden states feed the draft)
 
     def fingerprint(self) -> str:
         """96-bit hex fingerprint of this identity (stable across processes and machines)."""
@@ -91,11 +95,17 @@ def pool_identities(
     pp_rank: int,
     pp_size: int,
     tp_lcm_size: int | None,
+    target_model: str | None = None,
 ) -> list[PoolIdentity]:
-    """The identities of one pool on this rank: one per head part (one part unless split)."""
+    """The identities of one pool on this rank: one per head part (one part unless split).
+
+    ``target_model`` is required for the draft pool: its identity is part of every draft key."""
+    if pool is PoolKind.DRAFT and not target_model:
+        raise ValueError("draft pool identities need target_model: the draft's KV depends on the target's weights")
     common = dict(
         pool=pool, model=model, dtype=dtype, attention=attention, page_size=page_size, layers=layers,
         layout=layout, pp_rank=pp_rank, pp_size=pp_size,
+        target=str(target_model) if pool is PoolKind.DRAFT else "",
     )
     if attention is Attention.MLA:
         return [PoolIdentity(**common, latent_dim=int(latent_dim or 0))]

@@ -1,16 +1,29 @@
-"""An opened backend: its pluggy manager, its observers, and bounded, exception-free calls.
+"""An opened backend: its pluggy manager, its observers, and bounded, exception-free, verified calls.
 
 :class:`Store` is what the controller and the SGLang adapter talk to. Every call runs on a small
-worker pool and is bounded by ``timeout_s``; an exception or a timeout becomes per-page
-``FAILED`` results (or a zero existence count), logged once per kind, never raised into the
-serving loop. A ``page_get`` that timed out is tracked: its buffers may still be written by the
-backend until it returns, so :meth:`Store.page_get` hands back a future that says when they are
-free again.
+worker pool and is bounded by ``timeout_s``; an exception (any ``BaseException`` but
+``KeyboardInterrupt``), a result of the wrong shape or a timeout becomes per-page ``FAILED``
+results (or a zero existence count), logged once per kind with the backend's name, never raised
+into the serving loop.
+
+Integrity lives here, for every backend and both paths: :meth:`Store.page_set` makes each page's
+header (key digest, namespace, length, xxh3 of the bytes handed over) before the call and gives it
+to the backend to store; :meth:`Store.page_get` gives the backend a zeroed header buffer per page
+and, after the call, checks every page reported ``OK`` against its key and the bytes in its
+buffers. A lying, tearing, partly filling or foreign answer is ``CORRUPT``, never data.
+
+A call that outlives its deadline is abandoned: its pages are ``FAILED`` whatever it returns
+later, and the tracked variants hand back a future that completes when the backend no longer
+touches the buffers. A late zero-copy ``page_set`` that reads slots after they were reused stores
+bytes that no longer match the header made before the call, so every later read of them is
+``CORRUPT``: a late write is never served as data.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,8 +37,9 @@ from pydantic import BaseModel, ValidationError
 from hicache_draft.backend import BackendContext, StorageBackend
 from hicache_draft.capabilities import Capabilities, PoolKind
 from hicache_draft.errors import BackendSetupError, ConfigError, PluginError
+from hicache_draft.page_format import HEADER_SIZE, PageFormatError, make_headers, parse_header, verify_payload
 from hicache_draft.plugins import get_backend, new_plugin_manager
-from hicache_draft.transfer import Buffer, PageResult, PageTransfer, PoolRegistration
+from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
 
 log = logging.getLogger("hicache_draft.store")
 
@@ -86,7 +100,8 @@ class Store:
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         self._closed = False
-        self.abandoned_calls = 0
+        self.corrupt_pages = 0  # pages a backend reported OK that failed the core's verification
+        self._verify_pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def open(
@@ -122,10 +137,10 @@ class Store:
         try:
             return "ok", fut.result(timeout=max(0.0, deadline - time.monotonic())), fut
         except FutureTimeout:
-            with self._lock:
-                self.abandoned_calls += 1
             return "timeout", None, fut
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit, asyncio.CancelledError, ... from a backend: its failure
             return "error", exc, fut
 
     def _per_page(
@@ -135,7 +150,8 @@ class Store:
         if not any(t.pages for t in transfers):
             return {t.pool: [] for t in transfers}, _DONE
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
-        status, value, fut = self._call(hook, {"transfers": list(transfers), "deadline": deadline}, deadline)
+        transfers = _with_headers(transfers, made=hook == "page_set")
+        status, value, fut = self._call(hook, {"transfers": transfers, "deadline": deadline}, deadline)
         if status == "timeout":
             self._log_once(f"{hook}:timeout", "backend %r: %s timed out; pages counted as failed", self.name, hook)
             return failed, fut
@@ -145,10 +161,16 @@ class Store:
                 self.name, hook, type(value).__name__, value,
             )
             return failed, fut
+        if not isinstance(value, Mapping):
+            self._log_once(
+                f"{hook}:shape", "backend %r: %s returned %s, not a mapping of pool to results; "
+                "pages counted as failed", self.name, hook, type(value).__name__,
+            )
+            return failed, fut
         out: dict[PoolKind, list[PageResult]] = {}
         for t in transfers:
-            got = None if value is None else value.get(t.pool)
-            if got is None or len(got) != len(t.pages):
+            got = value.get(t.pool)
+            if not isinstance(got, Sequence) or isinstance(got, (str, bytes)) or len(got) != len(t.pages):
                 self._log_once(
                     f"{hook}:shape", "backend %r: %s returned no or wrong-length results for pool %s",
                     self.name, hook, t.pool.value,
@@ -156,7 +178,36 @@ class Store:
                 out[t.pool] = [PageResult.FAILED] * len(t.pages)
                 continue
             out[t.pool] = [_as_result(r) for r in got]
+        if hook == "page_get":
+            self._verify(transfers, out)
         return out, fut
+
+    def _verify(self, transfers: Sequence[PageTransfer], out: dict[PoolKind, list[PageResult]]) -> None:
+        """Check every page reported OK against its header, its key and the bytes in its buffers."""
+        todo = [
+            (t.pool, i, page) for t in transfers for i, page in enumerate(t.pages) if out[t.pool][i] is PageResult.OK
+        ]
+        if not todo:
+            return
+        total = sum(p.nbytes for _, _, p in todo)
+        workers = min(_VERIFY_WORKERS, max(1, total // _VERIFY_CHUNK_BYTES))
+        if workers > 1:
+            if self._verify_pool is None:
+                with self._lock:
+                    if self._verify_pool is None:
+                        self._verify_pool = ThreadPoolExecutor(workers, thread_name_prefix="hicache-draft-verify")
+            chunks = [todo[w::workers] for w in range(workers)]
+            problems = [p for f in [self._verify_pool.submit(_problems, c) for c in chunks] for p in f.result()]
+        else:
+            problems = _problems(todo)
+        for pool, i, page, exc in problems:
+            out[pool][i] = PageResult.CORRUPT
+            with self._lock:
+                self.corrupt_pages += 1
+            self._log_once(
+                f"verify:{exc.problem.value}", "backend %r returned page %s of pool %s that fails verification "
+                "(%s); counted as corrupt, never data", self.name, page.key, pool.value, exc,
+            )
 
     # -- the contract ----------------------------------------------------------------------
     def register_pool(self, registration: PoolRegistration) -> None:
@@ -217,10 +268,11 @@ class Store:
             return zero
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         status, value, _ = self._call("page_exists", {"queries": dict(queries), "deadline": deadline}, deadline)
-        if status != "ok" or value is None:
+        if status != "ok" or not isinstance(value, Mapping):
             self._log_once(
                 f"page_exists:{status}", "backend %r: page_exists %s; counted as misses", self.name,
-                "timed out" if status == "timeout" else f"failed: {value}",
+                "timed out" if status == "timeout" else
+                f"failed: {value}" if status == "error" else f"returned {type(value).__name__}, not a mapping",
             )
             return zero
         out: dict[PoolKind, int] = {}
@@ -239,12 +291,54 @@ class Store:
             log.warning("backend %r: close %s", self.name, "timed out" if status == "timeout" else value)
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._verify_pool is not None:
+            self._verify_pool.shutdown(wait=False)
 
     def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_VERIFY_CHUNK_BYTES = 16 << 20  # below this per worker, one thread verifies (xxh3 releases the GIL above ~ KiBs)
+_VERIFY_WORKERS = max(1, min(8, os.cpu_count() or 1))
+
+
+def _with_headers(transfers: Sequence[PageTransfer], made: bool) -> list[PageTransfer]:
+    """The transfers with every page's ``header`` set: made from the page's bytes (``page_set``)
+    or zeroed for the backend to fill (``page_get``). One buffer holds all headers of the call."""
+    pages = [p for t in transfers for p in t.pages]
+    if made:
+        raw = make_headers(
+            [(p.key, p.namespace, t.pool, [b.view() for b in p.buffers]) for t in transfers for p in t.pages]
+        )
+    else:
+        raw = bytearray(HEADER_SIZE * len(pages))
+    whole = Buffer.of(raw) if raw else None
+    out: list[PageTransfer] = []
+    at = 0
+    for t in transfers:
+        with_h = []
+        for p in t.pages:
+            assert whole is not None
+            hdr = Buffer(whole.ptr + at, HEADER_SIZE, owner=whole)
+            with_h.append(dataclasses.replace(p, header=hdr))
+            at += HEADER_SIZE
+        out.append(dataclasses.replace(t, pages=with_h))
+    return out
+
+
+def _problems(todo: Sequence[tuple[PoolKind, int, Page]]) -> list[tuple[PoolKind, int, Page, PageFormatError]]:
+    bad = []
+    for pool, i, page in todo:
+        try:
+            assert page.header is not None
+            head = parse_header(page.header.view(), page.key, page.namespace, pool)
+            verify_payload(head, [b.view() for b in page.buffers], page.nbytes)
+        except PageFormatError as exc:
+            bad.append((pool, i, page, exc))
+    return bad
 
 
 def _as_result(r: object) -> PageResult:

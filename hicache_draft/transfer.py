@@ -58,12 +58,18 @@ class Page:
     ``namespace``: the fingerprint of (model, dtype, attention, page size, shape, layout, ranks,
     pool, head part); backends that write a header put it there.
     ``buffers``: the page's bytes are the concatenation of these regions, in order.
+    ``header``: the page's 64-byte header (:mod:`hicache_draft.page_format`), in memory the core
+    owns. On ``page_set`` it holds the header the core made from the bytes it hands over: store it
+    verbatim with the page. On ``page_get`` it is zeroed: write the stored header into it. The core
+    then checks it against the key and the bytes in ``buffers`` before anything counts as restored.
+    The :class:`~hicache_draft.Store` fills it; code that builds pages leaves it ``None``.
     """
 
     key: str
     group: str
     namespace: str
     buffers: tuple[Buffer, ...]
+    header: Buffer | None = None
 
     @property
     def nbytes(self) -> int:

@@ -73,7 +73,7 @@ def _ident(d):
         pool=d["pool"], model=d["model"], dtype=d["dtype"], attention=d["attention"], page_size=d["page_size"],
         layers=d["layers"], layout=d["layout"], kv_heads=d["kv_heads"], head_dim=d["head_dim"],
         latent_dim=d["latent_dim"], tp_rank=d["tp"][0], tp_size=d["tp"][1], pp_rank=d["pp"][0], pp_size=d["pp"][1],
-        tp_lcm_size=None,
+        tp_lcm_size=None, target_model=d.get("target", "target-model"),
     )[0]
 
 

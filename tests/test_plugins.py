@@ -35,6 +35,7 @@ CAPS = Capabilities(pools={PoolKind.KV: PoolCapability(attention=frozenset({Atte
 
 
 class Throwaway(StorageBackend):
+    api_version = 2
     capabilities: ClassVar[Capabilities] = CAPS
 
     @hookimpl
@@ -120,6 +121,7 @@ def test_invalid_capabilities_refused():
 
 def test_missing_required_hook_refused():
     class NoExists(StorageBackend):
+        api_version = 2
         capabilities = CAPS
 
         @hookimpl

@@ -136,6 +136,7 @@ def namespaces(spec: PoolSpec, placement: Placement, split: int) -> tuple[str, .
         pp_rank=par.pp_rank,
         pp_size=par.pp_size,
         tp_lcm_size=par.tp_size * split if split > 1 else None,
+        target_model=placement.model,
     )
     return tuple(i.fingerprint() for i in ids)
 

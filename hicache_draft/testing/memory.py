@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hicache_draft.backend import BackendContext, StorageBackend
 from hicache_draft.capabilities import Attention, Capabilities, Layout, PoolCapability, PoolKind
-from hicache_draft.hookspecs import hookimpl
+from hicache_draft.hookspecs import API_VERSION, hookimpl
 from hicache_draft.page_format import HEADER_SIZE, PageFormatError, make_header, parse_header, verify_payload
 from hicache_draft.transfer import Page, PageResult, PageTransfer
 
@@ -54,6 +54,7 @@ class MemoryBackend(StorageBackend):
     """Everything declared: both pools, both attention types, every layout zero-copy, generic,
     split heads. Tests subclass it with narrower ``capabilities`` to exercise path choice."""
 
+    api_version: ClassVar[int] = API_VERSION
     capabilities: ClassVar[Capabilities] = Capabilities(
         pools={
             PoolKind.KV: PoolCapability(attention=frozenset(Attention), zero_copy_layouts=all_layouts()),
@@ -103,7 +104,10 @@ class MemoryBackend(StorageBackend):
                     res.append(PageResult.FAILED)
                     continue
                 views = [b.view() for b in page.buffers]
-                blob = make_header(page.key, page.namespace, t.pool, views) + b"".join(bytes(v) for v in views)
+                head = page.header.view() if page.header is not None else make_header(
+                    page.key, page.namespace, t.pool, views
+                )
+                blob = bytes(head) + b"".join(bytes(v) for v in views)
                 with self.lock:
                     self.data[page.key] = blob
                 res.append(PageResult.OK)
@@ -127,6 +131,8 @@ class MemoryBackend(StorageBackend):
         for b in page.buffers:
             b.view()[:] = payload[off : off + b.nbytes]
             off += b.nbytes
+        if page.header is not None:
+            page.header.view()[:] = blob[:HEADER_SIZE]
         return PageResult.OK
 
     @hookimpl

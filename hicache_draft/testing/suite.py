@@ -89,7 +89,7 @@ def namespace_for(spec: PoolSpec, model: str = "conformance-model", tp_rank: int
         pool=spec.kind, model=model, dtype=str(spec.dtype).removeprefix("torch."), attention=spec.attention,
         page_size=spec.page_size, layers=spec.layers, layout=spec.layout, kv_heads=spec.kv_heads,
         head_dim=spec.head_dim, latent_dim=spec.latent_dim, tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
-        tp_lcm_size=None,
+        tp_lcm_size=None, target_model=model if spec.kind is PoolKind.DRAFT else None,
     )
     return ident[0].fingerprint()
 

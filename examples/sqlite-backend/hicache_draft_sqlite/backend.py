@@ -59,6 +59,8 @@ _PROGRESS_STEPS = 2000  # SQLite VM steps between deadline checks
 class SqliteBackend(StorageBackend):
     """KV-cache pages in one SQLite file (see the module docs)."""
 
+    api_version: ClassVar[int] = 2
+
     capabilities: ClassVar[Capabilities] = Capabilities(
         pools={PoolKind.KV: _EVERY_POOL, PoolKind.DRAFT: _EVERY_POOL},
         split_heads=True,  # head parts arrive under their own keys; storing them needs nothing more
@@ -176,7 +178,10 @@ class SqliteBackend(StorageBackend):
             )
             if cur.rowcount == 1:  # new; an existing key holds the same bytes, so it stays as is
                 views = [b.view() for b in page.buffers]
-                header = make_header(page.key, page.namespace, pool, views)
+                # the core's header (made before the call, from the bytes handed over): stored as is
+                header = page.header.view() if page.header is not None else make_header(
+                    page.key, page.namespace, pool, views
+                )
                 assert cur.lastrowid is not None
                 with conn.blobopen("pages", "data", cur.lastrowid) as blob:
                     blob.write(header)
@@ -247,7 +252,8 @@ class SqliteBackend(StorageBackend):
         rowid, length = row
         with conn.blobopen("pages", "data", rowid, readonly=True) as blob:
             try:
-                header = parse_header(blob.read(HEADER_SIZE), page.key, page.namespace, pool)
+                raw = blob.read(HEADER_SIZE)
+                header = parse_header(raw, page.key, page.namespace, pool)
                 if length != HEADER_SIZE + header.payload_len:
                     raise PageFormatError(HeaderProblem.LENGTH, f"blob of {length} bytes")
             except PageFormatError as exc:
@@ -263,6 +269,8 @@ class SqliteBackend(StorageBackend):
             views = [b.view() for b in page.buffers]
             for view in views:
                 view[:] = blob.read(len(view))
+        if page.header is not None:
+            page.header.view()[:] = raw  # the core checks it again against the bytes it got
         try:
             verify_payload(header, views, page.nbytes)
         except PageFormatError as exc:

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import ClassVar
 
 from hicache_draft import (
-    API_VERSION,
     HEADER_SIZE,
     Attention,
     BackendContext,
@@ -125,7 +124,7 @@ class FileStats:
 class FileBackend(StorageBackend):
     """Embedded default backend: a directory on a local or shared POSIX filesystem."""
 
-    api_version: ClassVar[int] = API_VERSION
+    api_version: ClassVar[int] = 2
     capabilities: ClassVar[Capabilities] = Capabilities(
         pools={PoolKind.KV: _POOL_CAP, PoolKind.DRAFT: _POOL_CAP},
         split_heads=True,
@@ -827,6 +826,8 @@ def _read_share(
             except PageFormatError as exc:
                 bad.append((pool, i, str(exc)))
                 continue
+            if page.header is not None:
+                page.header.view()[:] = head
             results[pool][i] = PageResult.OK
             ok += 1
     return ok

@@ -139,11 +139,16 @@ def _record_calls(
         while hi < n and total + HEADER_SIZE + lengths[hi] <= chunk:
             total += HEADER_SIZE + lengths[hi]
             hi += 1
-        heads = memoryview(make_headers([
-            (page.key, page.namespace, pool, views[i]) for i, (pool, page) in enumerate(items[lo:hi], lo)
-        ]))
+        made = None
+        if any(page.header is None for _pool, page in items[lo:hi]):
+            made = memoryview(make_headers([
+                (page.key, page.namespace, pool, views[i]) for i, (pool, page) in enumerate(items[lo:hi], lo)
+            ]))
         for j, i in enumerate(range(lo, hi)):
-            for v in (heads[j * HEADER_SIZE : (j + 1) * HEADER_SIZE], *views[i]):
+            hdr = items[i][1].header
+            # the core's header (made before the call from the bytes handed over) is stored as is
+            head = hdr.view() if hdr is not None else made[j * HEADER_SIZE : (j + 1) * HEADER_SIZE]  # type: ignore[index]
+            for v in (head, *views[i]):
                 nb = v.nbytes
                 while nb >= room:  # v reaches the boundary: close this call
                     pending.append(v[:room])

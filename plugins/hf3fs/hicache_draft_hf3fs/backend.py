@@ -73,6 +73,8 @@ def not_implemented_message(options: Hf3fsOptions) -> str:
 class Hf3fsBackend(StorageBackend):
     """DeepSeek 3FS through usrbio: declared, validated, not implemented (see the module docs)."""
 
+    api_version: ClassVar[int] = 2
+
     capabilities: ClassVar[Capabilities] = HF3FS_CAPABILITIES
     Options: ClassVar[type[BaseModel]] = Hf3fsOptions
 

@@ -111,6 +111,8 @@ def _chunks(items: list[_Job], n: int) -> Iterator[list[_Job]]:
 class MooncakeBackend(StorageBackend):
     """Mooncake distributed store backend (TCP or shared-memory client mode)."""
 
+    api_version: ClassVar[int] = 2
+
     capabilities: ClassVar[Capabilities] = Capabilities(
         pools={PoolKind.KV: _POOL, PoolKind.DRAFT: _POOL},
         split_heads=True,
@@ -325,8 +327,7 @@ class MooncakeBackend(StorageBackend):
             for b in job.page.buffers:
                 memmove(dst, b.ptr, b.nbytes)
                 dst += b.nbytes
-            payload = mv[off + HEADER_SIZE : off + size]
-            mv[off : off + HEADER_SIZE] = make_header(job.page.key, job.page.namespace, job.pool, (payload,))
+            mv[off : off + HEADER_SIZE] = self._header(job, [mv[off + HEADER_SIZE : off + size]])
             sub.ptrs.append(base + off)
             off += size
         return sub
@@ -338,7 +339,7 @@ class MooncakeBackend(StorageBackend):
         for n, job in enumerate(jobs):
             page = job.page
             off = n * HEADER_SIZE
-            mv[off : off + HEADER_SIZE] = make_header(page.key, page.namespace, job.pool, self._payload_views(page))
+            mv[off : off + HEADER_SIZE] = self._header(job, None)
             sub.ptrs.append([base + off, *(b.ptr for b in page.buffers)])
             sub.sizes.append([HEADER_SIZE, *(b.nbytes for b in page.buffers)])
         return sub
@@ -442,8 +443,19 @@ class MooncakeBackend(StorageBackend):
             elif res is None:
                 hoff = n * HEADER_SIZE
                 res = self._check(job, mv[hoff : hoff + HEADER_SIZE], self._payload_views(job.page))
+            if res is OK and job.page.header is not None:
+                hoff = off - HEADER_SIZE - job.nbytes if staged else n * HEADER_SIZE
+                job.page.header.view()[:] = mv[hoff : hoff + HEADER_SIZE]
             results[job.pool][job.index] = res
             counts[_STAT[res]] += 1
+
+    def _header(self, job: _Job, payload: list[memoryview] | None) -> bytes | memoryview:
+        """The header stored with a page: the core's (made before the call from the bytes handed
+        over, so a late read of reused memory never matches it), or one made here."""
+        page = job.page
+        if page.header is not None:
+            return page.header.view()
+        return make_header(page.key, page.namespace, job.pool, payload or self._payload_views(page))
 
     def _check(self, job: _Job, header: memoryview, payload: list[memoryview]) -> PageResult:
         """``OK`` when the stored header is exactly the one these payload bytes, key, namespace and

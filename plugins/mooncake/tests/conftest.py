@@ -59,6 +59,7 @@ def make_rig(kind=PoolKind.KV, attention=Attention.MHA, layout=Layout.PAGE_FIRST
         pool=kind, model=model, dtype="bfloat16", attention=attention, page_size=PAGE_SIZE, layers=layers,
         layout=layout, kv_heads=kv_heads if attention is Attention.MHA else None, head_dim=8,
         latent_dim=16, tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, tp_lcm_size=tp_lcm_size,
+        target_model=model,
     )
     return Rig(kind, attention, layout, HostPool(spec, num_pages, allocator=allocator),
                [i.fingerprint() for i in idents], split)

@@ -95,5 +95,25 @@ def host_memory(pool: PoolKind, nbytes: int) -> Buffer | None:
 
 
 @hookspec
+def call_done(
+    backend: str,
+    hook: str,
+    outcome: str,
+    seconds: float,
+    transfers: Sequence[PageTransfer],
+    results: Mapping[PoolKind, Sequence[PageResult]],
+) -> None:
+    """For observers (metrics, tracing): a ``page_set``, ``page_get`` or ``page_exists`` call of
+    the store is over, as the caller sees it.
+
+    ``outcome``: ``"ok"``, ``"timeout"`` (abandoned at its deadline) or ``"error"`` (raised, or
+    returned the wrong shape). ``seconds``: wall time the caller waited. ``results``: the final
+    per-page results after the core's verification (a page the backend called ``OK`` that failed
+    it is ``CORRUPT`` here); for ``page_exists`` the leading pages stored per pool are ``OK`` and
+    the rest ``MISS``. ``transfers``: the pages (empty for ``page_exists``). Called in the caller's
+    thread after the call: keep it cheap; an exception is logged and ignored."""
+
+
+@hookspec
 def close() -> None:
     """Release connections, files and registered memory. Called once; no call follows."""

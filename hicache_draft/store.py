@@ -96,6 +96,7 @@ class Store:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"backend {name!r}: {exc}") from None
+        self._observed = bool(self.pm.hook.call_done.get_hookimpls())
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"hicache-draft-{name}")
         self._lock = threading.Lock()
         self._logged: set[str] = set()
@@ -143,30 +144,54 @@ class Store:
         except BaseException as exc:  # SystemExit, asyncio.CancelledError, ... from a backend: its failure
             return "error", exc, fut
 
+    def _done(
+        self, hook: str, outcome: str, started: float, transfers: Sequence[PageTransfer],
+        results: Mapping[PoolKind, Sequence[PageResult]],
+    ) -> None:
+        """Tell observers (``call_done``) how a call ended; their errors never reach the caller."""
+        if not self._observed:
+            return
+        try:
+            self.pm.hook.call_done(
+                backend=self.name, hook=hook, outcome=outcome, seconds=time.perf_counter() - started,
+                transfers=transfers, results=results,
+            )
+        except Exception as exc:
+            self._log_once("call_done", "an observer of backend %r failed in call_done: %s", self.name, exc)
+
     def _per_page(
         self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None
     ) -> tuple[dict[PoolKind, list[PageResult]], Future[Any]]:
+        started = time.perf_counter()
+        outcome, results, fut = self._per_page_call(hook, transfers, timeout_s)
+        if transfers and any(t.pages for t in transfers):
+            self._done(hook, outcome, started, transfers, results)
+        return results, fut
+
+    def _per_page_call(
+        self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None
+    ) -> tuple[str, dict[PoolKind, list[PageResult]], Future[Any]]:
         failed = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         if not any(t.pages for t in transfers):
-            return {t.pool: [] for t in transfers}, _DONE
+            return "ok", {t.pool: [] for t in transfers}, _DONE
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         transfers = _with_headers(transfers, made=hook == "page_set")
         status, value, fut = self._call(hook, {"transfers": transfers, "deadline": deadline}, deadline)
         if status == "timeout":
             self._log_once(f"{hook}:timeout", "backend %r: %s timed out; pages counted as failed", self.name, hook)
-            return failed, fut
+            return "timeout", failed, fut
         if status == "error":
             self._log_once(
                 f"{hook}:error", "backend %r: %s raised %s: %s; pages counted as failed",
                 self.name, hook, type(value).__name__, value,
             )
-            return failed, fut
+            return "error", failed, fut
         if not isinstance(value, Mapping):
             self._log_once(
                 f"{hook}:shape", "backend %r: %s returned %s, not a mapping of pool to results; "
                 "pages counted as failed", self.name, hook, type(value).__name__,
             )
-            return failed, fut
+            return "error", failed, fut
         out: dict[PoolKind, list[PageResult]] = {}
         for t in transfers:
             got = value.get(t.pool)
@@ -180,7 +205,7 @@ class Store:
             out[t.pool] = [_as_result(r) for r in got]
         if hook == "page_get":
             self._verify(transfers, out)
-        return out, fut
+        return "ok", out, fut
 
     def _verify(self, transfers: Sequence[PageTransfer], out: dict[PoolKind, list[PageResult]]) -> None:
         """Check every page reported OK against its header, its key and the bytes in its buffers."""
@@ -266,6 +291,18 @@ class Store:
         zero = {p: 0 for p in queries}
         if not any(queries.values()):
             return zero
+        started = time.perf_counter()
+        outcome, counts = self._exists(queries, timeout_s)
+        if self._observed:
+            self._done("page_exists", outcome, started, (), {
+                p: [PageResult.OK] * counts[p] + [PageResult.MISS] * (len(k) - counts[p]) for p, k in queries.items()
+            })
+        return counts
+
+    def _exists(
+        self, queries: Mapping[PoolKind, Sequence[str]], timeout_s: float | None
+    ) -> tuple[str, dict[PoolKind, int]]:
+        zero = {p: 0 for p in queries}
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         status, value, _ = self._call("page_exists", {"queries": dict(queries), "deadline": deadline}, deadline)
         if status != "ok" or not isinstance(value, Mapping):
@@ -274,12 +311,12 @@ class Store:
                 "timed out" if status == "timeout" else
                 f"failed: {value}" if status == "error" else f"returned {type(value).__name__}, not a mapping",
             )
-            return zero
+            return (status if status != "ok" else "error"), zero
         out: dict[PoolKind, int] = {}
         for pool, keys in queries.items():
             n = value.get(pool, 0)
-            out[pool] = max(0, min(int(n), len(keys))) if isinstance(n, int) else 0
-        return out
+            out[pool] = max(0, min(int(n), len(keys))) if isinstance(n, int) and not isinstance(n, bool) else 0
+        return "ok", out
 
     def close(self) -> None:
         """Close the backend (bounded) and stop the workers. Idempotent."""

@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import logging
 import threading
 import time
@@ -35,7 +37,7 @@ from hicache_draft.keys import make_key, page_hashes, pool_identities
 from hicache_draft.metrics import Metrics
 from hicache_draft.paths import PathChoice, plan_paths, pool_specs
 from hicache_draft.pools import Allocator, HostPool, PoolSpec
-from hicache_draft.store import Store
+from hicache_draft.store import CallReport, Store
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
 
 log = logging.getLogger("hicache_draft.controller")
@@ -45,8 +47,10 @@ log = logging.getLogger("hicache_draft.controller")
 class BackupResult:
     """What a backup stored. ``pages_written``/``failed`` per pool; ``pages`` asked for.
 
-    ``released``: False only if a timed-out backend call may still read the host slots; do not
-    overwrite them before the operation's :meth:`Operation.wait_released` returns True.
+    ``released``: False only if an abandoned backend call may still read host slots, listed in
+    ``held_slots``: do not overwrite those before :meth:`CacheController.wait_released` (or the
+    operation's :meth:`Operation.wait_released`) returns True. A sync backup first waits up to
+    ``timeout_s`` for the call to let go, so this is rare: a backend that ignores its deadline.
     """
 
     pages: int
@@ -54,7 +58,8 @@ class BackupResult:
     failed: dict[PoolKind, int] = field(default_factory=dict)
     not_writer: list[PoolKind] = field(default_factory=list)
     dropped: bool = False
-    released: bool = True  # False: a timed-out call may still read the host slots; see Operation.wait_released
+    released: bool = True  # False: a timed-out call may still read the host slots in held_slots
+    held_slots: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -64,8 +69,9 @@ class PrefetchResult:
     ``pages``: restorable prefix in pages (slots ``host_slots[:pages]`` are valid for the target,
     and for the draft unless listed in ``draft_cold``); ``tokens = pages * page_size``.
     ``restored``: pages per pool whose data is valid. ``hit``: what existence queries promised.
-    ``released``: False only if a timed-out backend call may still write into slots past
-    ``pages``; wait on the operation's :meth:`Operation.wait_released` before reusing them.
+    ``released``: False only if an abandoned backend call may still write into the slots listed
+    in ``held_slots`` (never slots below ``pages``); wait with :meth:`CacheController.wait_released`
+    or :meth:`Operation.wait_released` before reusing them.
     """
 
     pages: int = 0
@@ -75,6 +81,7 @@ class PrefetchResult:
     draft_cold: list[int] = field(default_factory=list)
     failed: dict[PoolKind, int] = field(default_factory=dict)
     released: bool = True
+    held_slots: list[int] = field(default_factory=list)
 
 
 class Operation:
@@ -84,12 +91,16 @@ class Operation:
         self.future: Future[Any] = Future()
         self.cancelled = threading.Event()
         self.partial: Any = None
+        self.bound_s: float = 0.0  # the longest the whole operation can take (see CacheController.collect)
+        self.in_flight: list[int] = []  # zero-copy slots of the call in flight (prefetch)
         self._pending_io: list[Future[Any]] = []
         self._lock = threading.Lock()
 
     def cancel(self) -> None:
-        """Stop after the batch in flight; :meth:`result` then returns what was done."""
-        self.cancelled.set()
+        """Stop after the batch in flight (whose data is then not published); :meth:`result`
+        returns what was done."""
+        with self._lock:
+            self.cancelled.set()
 
     def done(self) -> bool:
         return self.future.done()
@@ -125,16 +136,6 @@ class Operation:
             except Exception:  # noqa: S110 - an I/O error still releases the buffers
                 pass
         return True
-
-
-def _still_held(io_done: Future[Any], op: Operation | None) -> bool:
-    """True when the backend is done with the call's buffers; otherwise the operation tracks the call
-    so that :meth:`Operation.wait_released` covers it."""
-    if io_done.done():
-        return True
-    if op is not None:
-        op._track(io_done)
-    return False
 
 
 @dataclass
@@ -202,6 +203,8 @@ class CacheController:
                 "draft KV offload disabled for backend %r: %s; restored pages will be reported draft-cold",
                 store.name, self.plan[PoolKind.DRAFT].reason,
             )
+        self._held: list[tuple[Future[Any], tuple[int, ...]]] = []
+        self._held_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-draft-ctl")
         self._slots = threading.BoundedSemaphore(max_pending)
 
@@ -328,13 +331,73 @@ class CacheController:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.process_group)
         return int(t.item())
 
+    # -- holding memory that an abandoned call may still touch ---------------------------------------
+    def _let_go(self, rep: CallReport, zero_copy_slots: Sequence[int], op: Operation | None) -> bool:
+        """After a call that did not end well: True once the backend is done with the call's memory.
+
+        Only zero-copy pages hand the backend the caller's host slots (staging memory is the
+        controller's and lives as long as the call). For those, wait up to ``timeout_s`` for the
+        abandoned call to return; if it still runs, hold the slots (``held_slots``,
+        :meth:`wait_released`) and tell the caller through ``released = False``."""
+        fut = rep.released
+        if fut.done() or not zero_copy_slots:
+            return True
+        try:
+            fut.result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            pass
+        except BaseException:  # noqa: S110 - an abandoned call that failed has let go of its buffers
+            pass
+        if fut.done():
+            return True
+        with self._held_lock:
+            self._held.append((fut, tuple(zero_copy_slots)))
+        if op is not None:
+            op._track(fut)
+        log.warning(
+            "backend %r: an abandoned call still holds %d host slots %s timeout_s after its deadline; "
+            "they stay reserved (CacheController.held_slots / wait_released)",
+            self.store.name, len(zero_copy_slots), self.config.timeout_s,
+        )
+        return False
+
+    def held_slots(self) -> list[int]:
+        """Host slots (first slot of each page) that an abandoned backend call may still read or
+        write: do not reuse them until :meth:`wait_released` returns True."""
+        with self._held_lock:
+            self._held = [(f, sl) for f, sl in self._held if not f.done()]
+            return sorted({x for _, sl in self._held for x in sl})
+
+    def wait_released(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` seconds) until no abandoned backend call holds host slots."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._held_lock:
+            pending = [f for f, _ in self._held]
+        for f in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                f.result(timeout=left)
+            except FutureTimeout:
+                return False
+            except BaseException:  # noqa: S110 - a failed call has let go of its buffers too
+                pass
+        self.held_slots()  # prune
+        return True
+
     # -- backup ---------------------------------------------------------------------------------------
     def backup(
         self, token_ids: Sequence[int], host_slots: Sequence[int], prior_hash: str | None = None,
         _op: Operation | None = None,
     ) -> BackupResult:
         """Store the full pages of ``token_ids`` from ``host_slots`` (first slot of each page),
-        target and draft together. Never raises for storage trouble."""
+        target and draft together. Never raises for storage trouble.
+
+        Batches go out one after the other; the first batch that times out, errors or fails
+        entirely ends the backup and the rest is reported failed. If an abandoned zero-copy call
+        is still reading slots ``timeout_s`` after its deadline, ``released`` is False and those
+        slots are in ``held_slots`` (and :meth:`held_slots`) until it returns. A late read of
+        reused slots is never stored as data: the header the core made before the call no longer
+        matches those bytes, so every later read of that page is ``CORRUPT``."""
         hashes = page_hashes(token_ids, self.page_size, prior_hash)
         n = min(len(hashes), len(host_slots))
         hashes, host_slots = hashes[:n], list(host_slots[:n])
@@ -345,7 +408,8 @@ class CacheController:
             result.pages_written[k] = 0
             result.failed[k] = 0
         step = self.config.batch_pages
-        for start in range(0, n, step):
+        done = 0
+        for start in range(0, n if writers else 0, step):
             if _op is not None and _op.cancelled.is_set():
                 break
             hs, sl = hashes[start : start + step], list(host_slots[start : start + step])
@@ -353,22 +417,31 @@ class CacheController:
             for kind, st in writers:
                 pages, _ = self._pages(st, hs, sl, fill=True)
                 transfers.append(PageTransfer(kind, pages, st.choice.path is IOPath.ZERO_COPY))
-            if not transfers:
-                break
             t0 = time.perf_counter()
-            res, io_done = self.store.page_set_tracked(transfers)
+            rep = self.store.call("page_set", transfers)
             dt = time.perf_counter() - t0
-            result.released &= _still_held(io_done, _op)
+            done = start + len(hs)
+            all_failed = True
             for kind, st in writers:
-                r = res[kind]
+                r = rep.results[kind]
                 self.metrics.record_set(kind, r, st.part_nbytes, dt / len(writers))
                 ok_pages = sum(
                     1 for i in range(0, len(r), st.split) if all(x == PageResult.OK for x in r[i : i + st.split])
                 )
+                all_failed &= ok_pages == 0
                 result.pages_written[kind] += ok_pages
                 result.failed[kind] += len(hs) - ok_pages
+            if rep.outcome != "ok":
+                zc = sl if any(t.zero_copy for t in transfers) else []
+                if not self._let_go(rep, zc, _op):
+                    result.released = False
+                    result.held_slots.extend(zc)
             if _op is not None:
                 _op.partial = result
+            if rep.outcome != "ok" or all_failed:
+                break
+        for k, _ in writers:  # what a stopped backup never sent
+            result.failed[k] += n - done
         return result
 
     # -- prefetch -------------------------------------------------------------------------------------
@@ -377,7 +450,11 @@ class CacheController:
         _op: Operation | None = None,
     ) -> PrefetchResult:
         """Load the longest restorable prefix of ``token_ids`` into ``host_slots``. Never raises
-        for storage trouble; see :class:`PrefetchResult` for what is valid afterwards."""
+        for storage trouble; see :class:`PrefetchResult` for what is valid afterwards.
+
+        With ``tp_size > 1`` every rank enters the same two collectives (the planned prefix and
+        the restored prefix, each a MIN), whatever its local state. The first batch that times
+        out or errors ends the prefetch; nothing it read is used."""
         hashes = page_hashes(token_ids, self.page_size, prior_hash)
         n = min(len(hashes), len(host_slots))
         kv = self._pools[PoolKind.KV]
@@ -385,64 +462,81 @@ class CacheController:
         draft_on = draft is not None and draft.active
         shorten = self.config.draft.on_miss is OnMiss.SHORTEN
         result = PrefetchResult()
-        if not kv.active or n == 0:
-            return result
-        queries = {PoolKind.KV: self.keys_for(PoolKind.KV, hashes[:n])}
-        if draft_on:
-            queries[PoolKind.DRAFT] = self.keys_for(PoolKind.DRAFT, hashes[:n])
-        counts = self.store.page_exists(queries)
-        hit = {PoolKind.KV: counts[PoolKind.KV] // kv.split}
-        if draft_on:
-            assert draft is not None
-            hit[PoolKind.DRAFT] = counts[PoolKind.DRAFT] // draft.split
-        result.hit = dict(hit)
-        planned = hit[PoolKind.KV]
-        draft_planned = min(hit.get(PoolKind.DRAFT, 0), planned)
-        if draft_on and shorten:
-            planned = draft_planned
-        planned = self._agree(planned)
+        planned = draft_planned = 0
+        if kv.active and n > 0:
+            queries = {PoolKind.KV: self.keys_for(PoolKind.KV, hashes[:n])}
+            if draft_on:
+                queries[PoolKind.DRAFT] = self.keys_for(PoolKind.DRAFT, hashes[:n])
+            counts = self.store.page_exists(queries)
+            hit = {PoolKind.KV: counts[PoolKind.KV] // kv.split}
+            if draft_on:
+                assert draft is not None
+                hit[PoolKind.DRAFT] = counts[PoolKind.DRAFT] // draft.split
+            result.hit = dict(hit)
+            planned = hit[PoolKind.KV]
+            draft_planned = min(hit.get(PoolKind.DRAFT, 0), planned)
+            if draft_on and shorten:
+                planned = draft_planned
+        planned = self._agree(planned)  # every rank, even one whose pool is disabled
         draft_planned = min(draft_planned, planned)
         kv_ok = draft_ok = 0
         failed = {PoolKind.KV: 0, PoolKind.DRAFT: 0}
         step = self.config.batch_pages
-        for start in range(0, planned, step):
+        for start in range(0, planned if kv.active else 0, step):
             if _op is not None and _op.cancelled.is_set():
                 break
             end = min(planned, start + step)
             hs, sl = hashes[start:end], list(host_slots[start:end])
             loads: list[tuple[PoolKind, _PoolState, list[tuple[int, int, torch.Tensor]]]] = []
             transfers = []
-            if kv_ok == start:
-                pages, staged = self._pages(kv, hs, sl, fill=False)
-                transfers.append(PageTransfer(PoolKind.KV, pages, kv.choice.path is IOPath.ZERO_COPY))
-                loads.append((PoolKind.KV, kv, staged))
+            pages, staged = self._pages(kv, hs, sl, fill=False)
+            transfers.append(PageTransfer(PoolKind.KV, pages, kv.choice.path is IOPath.ZERO_COPY))
+            loads.append((PoolKind.KV, kv, staged))
+            zc = list(sl) if kv.choice.path is IOPath.ZERO_COPY else []
             if draft_on and draft_ok == start and start < draft_planned:
                 assert draft is not None
                 dn = min(end, draft_planned) - start
                 pages, staged = self._pages(draft, hs[:dn], sl[:dn], fill=False)
                 transfers.append(PageTransfer(PoolKind.DRAFT, pages, draft.choice.path is IOPath.ZERO_COPY))
                 loads.append((PoolKind.DRAFT, draft, staged))
-            if not any(k is PoolKind.KV for k, _, _ in loads):
-                break
+                if draft.choice.path is IOPath.ZERO_COPY:
+                    zc = sorted(set(zc) | set(sl[:dn]))
+            if _op is not None:
+                with _op._lock:
+                    _op.in_flight = zc
             t0 = time.perf_counter()
-            res, io_done = self.store.page_get(transfers)
+            rep = self.store.call("page_get", transfers)
             dt = time.perf_counter() - t0
-            result.released &= _still_held(io_done, _op)
-            for kind, st, staged in loads:
-                r = res[kind]
-                self.metrics.record_get(kind, r, st.part_nbytes, dt / len(loads))
-                got = self._page_prefix(st, r)
-                if io_done.done():
+            for kind, st, _ in loads:
+                self.metrics.record_get(kind, rep.results[kind], st.part_nbytes, dt / len(loads))
+            if rep.outcome != "ok":
+                for kind, _, _ in loads:
+                    failed[kind] += 1
+                if not self._let_go(rep, zc, _op):
+                    result.released = False
+                    result.held_slots.extend(zc)
+                if _op is not None:
+                    with _op._lock:
+                        _op.in_flight = []
+                break
+            with _op._lock if _op is not None else contextlib.nullcontext():
+                if _op is not None:
+                    _op.in_flight = []
+                    if _op.cancelled.is_set():  # the caller took its result: publish nothing more
+                        break
+                for kind, st, staged in loads:
+                    r = rep.results[kind]
+                    got = self._page_prefix(st, r)
                     for slot, part, row in staged[: got * st.split]:
                         st.pool.copy_page_in(slot, row, part, st.split)
-                if got < len(r) // st.split:
-                    failed[kind] += 1
-                if kind is PoolKind.KV:
-                    kv_ok += got
-                else:
-                    draft_ok += got
-            if _op is not None:
-                _op.partial = self._finish(result, kv_ok, draft_ok, draft_on, shorten, failed, agree=False)
+                    if got < len(r) // st.split:
+                        failed[kind] += 1
+                    if kind is PoolKind.KV:
+                        kv_ok += got
+                    else:
+                        draft_ok += got
+                if _op is not None:
+                    _op.partial = self._finish(result, kv_ok, draft_ok, draft_on, shorten, failed, agree=False)
             if kv_ok < end or (draft_on and shorten and draft_ok < min(end, draft_planned)):
                 break
         return self._finish(result, kv_ok, draft_ok, draft_on, shorten, failed, agree=True)
@@ -456,7 +550,7 @@ class CacheController:
             pages = self._agree(pages)
         out = PrefetchResult(
             pages=pages, tokens=pages * self.page_size, hit=dict(result.hit), released=result.released,
-            failed={k: v for k, v in failed.items() if v},
+            failed={k: v for k, v in failed.items() if v}, held_slots=list(result.held_slots),
         )
         out.restored[PoolKind.KV] = pages
         if self.config.draft.enabled:
@@ -466,9 +560,10 @@ class CacheController:
         return out
 
     # -- background --------------------------------------------------------------------------------
-    def _submit(self, fn: Callable[..., Any], *args: Any, empty: Any) -> Operation:  # noqa: ANN401
+    def _submit(self, fn: Callable[..., Any], *args: Any, empty: Any, bound_s: float) -> Operation:  # noqa: ANN401
         op = Operation()
         op.partial = empty
+        op.bound_s = bound_s
         if not self._slots.acquire(blocking=False):
             log.warning("offload queue full (%d pending); operation dropped", self._slots._initial_value)  # type: ignore[attr-defined]
             if isinstance(empty, BackupResult):
@@ -488,27 +583,40 @@ class CacheController:
         self._executor.submit(run)
         return op
 
+    def _bound_s(self, pages: int) -> float:
+        """The longest a whole operation of ``pages`` pages can take: an existence call, one call
+        per batch (each bounded by ``timeout_s``), and the wait for an abandoned call's memory."""
+        batches = -(-pages // self.config.batch_pages)
+        return self.config.timeout_s * (batches + 2)
+
     def backup_async(
         self, token_ids: Sequence[int], host_slots: Sequence[int], prior_hash: str | None = None
     ) -> Operation:
         """Back up off the caller's thread. Do not overwrite ``host_slots`` until
         :meth:`Operation.wait_released` returns True (it waits for the operation and for any
         backend call that outlived its timeout)."""
+        n = min(len(token_ids) // self.page_size, len(host_slots))
         return self._submit(self.backup, list(token_ids), list(host_slots), prior_hash,
-                            empty=BackupResult(pages=0))
+                            empty=BackupResult(pages=0), bound_s=self._bound_s(n))
 
     def prefetch_async(
         self, token_ids: Sequence[int], host_slots: Sequence[int], prior_hash: str | None = None
     ) -> Operation:
         """Prefetch off the caller's thread; collect with :meth:`collect`."""
+        n = min(len(token_ids) // self.page_size, len(host_slots))
         return self._submit(self.prefetch, list(token_ids), list(host_slots), prior_hash,
-                            empty=PrefetchResult())
+                            empty=PrefetchResult(), bound_s=self._bound_s(n))
 
     def collect(self, op: Operation, policy: PrefetchPolicy | None = None) -> PrefetchResult:
         """Take a prefetch's result under a policy (default: the config's ``prefetch_policy``).
 
-        ``best_effort``: what has arrived now (the rest is cancelled); ``wait_complete``: all of it,
-        bounded by ``timeout_s`` per batch; ``timeout``: wait at most ``prefetch_timeout_s``.
+        ``best_effort``: what has arrived now; ``timeout``: what has arrived within
+        ``prefetch_timeout_s``; ``wait_complete``: all of it, within the operation's own bound
+        (``timeout_s`` x (batches + 2): each call is bounded and the operation stops at the
+        first one that times out). When the wait ends first, the rest is cancelled and nothing
+        it reads later is published; ``released`` is False while a call in flight may still
+        write into the slots listed in ``held_slots`` (wait with :meth:`Operation.wait_released`).
+        With ``tp_size > 1`` only ``wait_complete`` returns a prefix the ranks agreed on.
         """
         policy = policy or self.config.prefetch_policy
         if policy is PrefetchPolicy.BEST_EFFORT:
@@ -516,17 +624,18 @@ class CacheController:
         elif policy is PrefetchPolicy.TIMEOUT:
             timeout = self.config.prefetch_timeout_s
         else:
-            timeout = self.config.timeout_s * 4
+            timeout = op.bound_s
         try:
-            return op.future.result(timeout=timeout)
+            res = op.future.result(timeout=timeout)
         except FutureTimeout:
-            op.cancel()  # stop after the batch in flight; each batch is bounded by timeout_s
-        try:
-            res = op.future.result(timeout=self.config.timeout_s * 2)
-        except FutureTimeout:
-            res = op.partial if op.partial is not None else PrefetchResult()
-            res.released = False
-            return res
+            with op._lock:
+                op.cancelled.set()  # under the lock: the worker publishes nothing after this
+                part = op.partial if isinstance(op.partial, PrefetchResult) else PrefetchResult()
+                res = dataclasses.replace(part, held_slots=sorted(set(part.held_slots) | set(op.in_flight)))
+                if op.in_flight:
+                    res.released = False
+            if op.future.done():  # it finished while we cancelled: the full result holds
+                res = op.future.result()
         res.released = res.released and op.wait_released(timeout=0)
         return res
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import pluggy
@@ -58,6 +59,20 @@ def validate_options(name: str, cls: type[StorageBackend], options: Mapping[str,
         loc = ".".join(str(p) for p in err["loc"])
         field = f"backend_options.{loc}" if loc else "backend_options"
         raise ConfigError(f"invalid {field} for backend {name!r}: {err['msg']}", field=field) from None
+
+
+@dataclass(frozen=True)
+class CallReport:
+    """How one page call ended, as the caller sees it.
+
+    ``results``: per pool, one final (verified) result per page. ``outcome``: ``"ok"``,
+    ``"timeout"`` (abandoned at its deadline: every page ``FAILED``) or ``"error"``.
+    ``released``: completes when the backend no longer touches the call's buffers; already done
+    unless the call was abandoned while still running."""
+
+    results: dict[PoolKind, list[PageResult]]
+    outcome: str
+    released: Future[Any]
 
 
 class Store:
@@ -159,14 +174,22 @@ class Store:
         except Exception as exc:
             self._log_once("call_done", "an observer of backend %r failed in call_done: %s", self.name, exc)
 
-    def _per_page(
-        self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None
-    ) -> tuple[dict[PoolKind, list[PageResult]], Future[Any]]:
+    def call(self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None = None) -> CallReport:
+        """Run ``page_set`` or ``page_get`` bounded by ``timeout_s`` (default: the store's), with
+        headers made or checked by the core; never raises for the backend's trouble."""
+        if hook not in ("page_set", "page_get"):
+            raise ValueError(f"Store.call runs page_set or page_get, not {hook!r}")
         started = time.perf_counter()
         outcome, results, fut = self._per_page_call(hook, transfers, timeout_s)
         if transfers and any(t.pages for t in transfers):
             self._done(hook, outcome, started, transfers, results)
-        return results, fut
+        return CallReport(results, outcome, fut)
+
+    def _per_page(
+        self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None
+    ) -> tuple[dict[PoolKind, list[PageResult]], Future[Any]]:
+        rep = self.call(hook, transfers, timeout_s)
+        return rep.results, rep.released
 
     def _per_page_call(
         self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None

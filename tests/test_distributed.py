@@ -55,3 +55,49 @@ def test_ranks_agree_on_the_min_prefix(monkeypatch):
     # rank 1 alone lost a draft page at index 2: its own hit is 2, rank 0's is 6; both restore 2
     assert result[0] == (2, 6)
     assert result[1] == (2, 2)
+
+
+def _refusing_rank_main(rank: int, world: int, port: int, space: str, refuse_rank: int, out: dict) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hicache_draft import IOPath, PoolKind
+    from hicache_draft.testing import MemoryBackend
+    from tests.helpers import fill_random, make_config, make_controller, slots, tokens
+
+    class RefusesKv(MemoryBackend):
+        def check_registration(self, registration):  # noqa: ANN001, ANN202
+            if registration.pool is PoolKind.KV:
+                raise ValueError("this rank cannot register target memory")
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    # a rank that skipped a collective would leave its peer blocked until this timeout, then raising
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+    try:
+        cfg = make_config("mla", "mla", tp_rank=rank, tp_size=world)
+        writer = make_controller(cfg, space=space)
+        fill_random(writer)
+        toks = tokens(4)
+        writer.backup(toks, slots(range(4)))
+        dist.barrier()
+        reader = make_controller(cfg, RefusesKv if rank == refuse_rank else MemoryBackend, space=space)
+        assert (reader.plan[PoolKind.KV].path is IOPath.DISABLED) == (rank == refuse_rank)
+        first = reader.prefetch(toks, slots(range(8, 12)))
+        second = reader.prefetch(toks, slots(range(8, 12)))  # collectives still paired after the first
+        out[rank] = (first.pages, second.pages)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_enters_the_collectives_when_one_rank_has_its_pool_disabled(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    world = 2
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_refusing_rank_main, args=(world, _free_port(), secrets.token_hex(4), 1, out), nprocs=world,
+                 join=True)
+        result = dict(out)
+    # rank 1 can restore nothing, so neither rank reports a prefix the other does not hold
+    assert result == {0: (0, 0), 1: (0, 0)}

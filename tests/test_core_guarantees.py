@@ -104,7 +104,8 @@ LIES = ["phantom", "phantom_zero_header", "rotten", "partial", "foreign", "heade
 @pytest.mark.parametrize("generic", [False, True], ids=["zero_copy", "generic"])
 @pytest.mark.parametrize("lie", LIES)
 def test_a_lying_backend_never_gets_a_wrong_page_reported_restored(lie, generic):
-    cap = PoolCapability(attention=frozenset(Attention), zero_copy_layouts=frozenset() if generic else frozenset(Layout))
+    layouts = frozenset() if generic else frozenset(Layout)
+    cap = PoolCapability(attention=frozenset(Attention), zero_copy_layouts=layouts)
     backend = type("L", (Liar,), {"capabilities": Capabilities(pools={KV: cap, DRAFT: cap}, persistent=True)})
     writer, reader = _pair(make_config(), backend)
     toks = tokens(4)

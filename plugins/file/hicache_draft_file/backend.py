@@ -7,6 +7,27 @@ rename), and one ``page_get`` reads each run of adjacent records with one ``prea
 the destination buffers. Existence is a dict lookup in an in-memory index that is rebuilt at
 start-up from one footer per segment and kept current across processes by a shared journal.
 
+Who owns what, under which lock (one process; locks taken in this order, never the reverse):
+
+* ``_fs_lock`` then the flock on ``ROOT/lock`` (the root lock): shared to publish a segment (rename
+  into ``seg/`` plus its journal record), exclusive to evict, quarantine or compact the journal.
+* ``_lock``: the catalog, the segment descriptors (``_handles``: reference counted, closed only
+  when retired and unused) and the journal reading position.
+* the journal's own lock: its descriptor, used only under it (see journal.py for how appends always
+  reach the current journal and how a reader detects compaction, replacement and truncation by
+  inode and by re-reading the record before its offset, then rescans the directory).
+
+Eviction is crash-safe by groups: under the exclusive lock the evictor writes the victim set (the
+closure of its groups, so target and draft pages go together even from different segments) to
+``ROOT/evict.intent``, appends all their "removed" records in one write (live readers drop them
+together, and drop every segment sharing a group with a removed one), then removes the files and
+the intent. A directory scan skips the segments an intent names, and whoever next holds the
+exclusive lock (or opens the root) finishes an intent left by a process that died.
+
+Every file operation goes through descriptors of the root without following links (rootfs.py):
+nothing a link, hard link or swapped directory inside the root points at is read, written, moved
+or deleted.
+
 See naming.py (root layout), segment_format.py (bytes on disk), journal.py (cross-process
 notices), catalog.py (the index) and README for the promises.
 """
@@ -20,6 +41,9 @@ import itertools
 import logging
 import operator
 import os
+import re
+import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -28,6 +52,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
+
+import xxhash
 
 from hicache_draft import (
     HEADER_SIZE,
@@ -50,10 +76,15 @@ from hicache_draft import (
     verify_payload,
 )
 from hicache_draft_file.catalog import Catalog, Segment
-from hicache_draft_file.journal import Journal, Op
+from hicache_draft_file.journal import Journal, JournalUnavailable, Op, is_leftover
 from hicache_draft_file.naming import (
+    FANOUT,
+    INTENT_FILE,
+    JOURNAL_FILE,
+    LOCK_FILE,
     SEGMENT_SUFFIX,
     RootLayout,
+    fanout_dir,
     group_problem,
     is_segment_name,
     key_problem,
@@ -64,8 +95,9 @@ from hicache_draft_file.naming import (
 from hicache_draft_file.options import FileOptions
 from hicache_draft_file.region_views import RegionViews
 from hicache_draft_file.root_setup import prepare_root
+from hicache_draft_file.rootfs import RootDirs, UnsafeEntry, ident, pid_alive
 from hicache_draft_file.segment_format import SegmentError, read_index
-from hicache_draft_file.segment_writer import claim_file, fsync_dir, write_segment
+from hicache_draft_file.segment_writer import claim_file, write_segment
 from hicache_draft_file.vectored_io import IOV_MAX, preadv_all
 
 log = logging.getLogger("hicache_draft_file")
@@ -80,7 +112,9 @@ _RUN_MAX_BYTES = 256 << 10
 # (0.95x instead of 1.07x the baseline), while 128 MiB batches of 1 MiB pages went from 0.97x to 1.65x.
 _PARALLEL_MIN_BYTES = 16 << 20
 _PARALLEL_MIN_PAGE = 256 << 10
-_QUARANTINE_KEEP = 16
+_INTENT_MAGIC = "hicache-draft-file evict 1"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_TMP_RE = re.compile(r"([0-9a-f]{16}-[0-9a-f]{8})\.(\d+)\.tmp|(intent)\.(\d+)\.[0-9a-f]+")
 _NBYTES = operator.attrgetter("nbytes")
 _SPLIT_MIN = 16 << 20
 
@@ -119,6 +153,10 @@ class FileStats:
     write_failures: int = 0
     read_failures: int = 0
     rescans: int = 0
+    unsafe_entries: int = 0
+    intents_replayed: int = 0
+    no_space_evictions: int = 0
+    tmp_reclaimed: int = 0
 
 
 class FileBackend(StorageBackend):
@@ -132,11 +170,17 @@ class FileBackend(StorageBackend):
         shared=True,
     )
     Options: ClassVar[type[FileOptions]] = FileOptions
+    default: ClassVar[bool] = True  # the backend used when a config names none
+
+    @classmethod
+    def scratch_options(cls, directory: Path) -> dict[str, object]:
+        return {"root": str(directory)}
 
     def __init__(self, options: FileOptions, context: BackendContext) -> None:
         super().__init__(options, context)
         self.opts = options
-        self.layout: RootLayout = prepare_root(options.root, create=options.create_root, read_only=options.read_only)
+        self.dirs: RootDirs = prepare_root(options.root, create=options.create_root, read_only=options.read_only)
+        self.layout: RootLayout = self.dirs.layout
         self.root = self.layout.root
         self.writable = not options.read_only
         self.stats = FileStats()
@@ -160,20 +204,34 @@ class FileBackend(StorageBackend):
         # copies pages into segment files while the writing thread makes the next headers
         self._io = ThreadPoolExecutor(2, thread_name_prefix="hcd-file-io") if options.io_threads > 1 else None
         try:
-            self._lock_fd = (
-                os.open(self.layout.lock_file, os.O_RDWR)
-                if self.writable
-                else (os.open(self.layout.lock_file, os.O_RDONLY) if self.layout.lock_file.exists() else -1)
-            )
-            self._journal = Journal(self.layout.journal, writable=self.writable)
+            self._lock_fd = self._open_lock()
+            self._journal = Journal(self.dirs.root_fd, JOURNAL_FILE, writable=self.writable)
         except OSError as exc:
+            self.dirs.close()
             raise BackendSetupError(
                 f"file backend: cannot open {exc.filename or self.root}: {exc.strerror or exc}"
             ) from None
+        if self.writable:
+            self._recover()
         with self._lock:
             self._full_scan()
-        if self.writable:
-            self._clean_stale_tmp()
+
+    def _open_lock(self) -> int:
+        """ROOT/lock, never through a link (one in its place is quarantined and replaced)."""
+        flags = os.O_RDWR | os.O_CREAT if self.writable else os.O_RDONLY
+        for _attempt in range(3):
+            try:
+                fd, _st = self.dirs.open_file(self.dirs.root_fd, LOCK_FILE, flags, single=False)
+                return fd
+            except UnsafeEntry as exc:
+                self.dirs.unsafe_entry(self.dirs.root_fd, LOCK_FILE, self.layout.lock_file, exc)
+                if not self.writable:
+                    return -1
+            except FileNotFoundError:
+                if not self.writable:
+                    return -1
+                raise
+        raise OSError(errno.ELOOP, "keeps being replaced", str(self.layout.lock_file))
 
     # -- logging -----------------------------------------------------------------------------
     def _log_once(self, what: str, msg: str, *args: object) -> None:
@@ -198,61 +256,82 @@ class FileBackend(StorageBackend):
 
     # -- discovery ---------------------------------------------------------------------------
     def _full_scan(self) -> None:
-        """List every fan-out directory; load new segments, drop vanished ones. Holds _lock."""
+        """List every fan-out directory; load new segments, drop vanished ones and those an
+        eviction in progress removes. Holds _lock."""
         self.stats.rescans += 1
-        start = self._journal.size()
-        on_disk: dict[str, Path] = {}
-        for d in self.layout.fanout_dirs():
-            try:
-                it = os.scandir(d)
-            except FileNotFoundError:
-                continue
-            with it:
-                for e in it:
-                    stem = e.name[: -len(SEGMENT_SUFFIX)] if e.name.endswith(SEGMENT_SUFFIX) else ""
-                    if stem and is_segment_name(stem):
-                        on_disk[stem] = Path(e.path)
-                    else:
-                        self._foreign(Path(e.path))
+        self.dirs.recheck()
+        mark = self._journal.mark()
+        evicting = self._read_intent()
+        on_disk: set[str] = set()
+        for i in range(FANOUT):
+            d = f"{i:02x}"
+            with self.dirs.fan(d, create=False) as fd:
+                if fd < 0:
+                    continue
+                try:
+                    it = os.scandir(fd)
+                except OSError:
+                    continue
+                new: list[str] = []
+                with it:
+                    for e in it:
+                        name = e.name
+                        stem = name[: -len(SEGMENT_SUFFIX)] if name.endswith(SEGMENT_SUFFIX) else ""
+                        if stem and is_segment_name(stem) and e.is_file(follow_symlinks=False):
+                            if stem in evicting:
+                                continue
+                            on_disk.add(stem)
+                            if stem not in self.catalog:
+                                new.append(stem)
+                        else:
+                            self._foreign(fd, name, self.layout.seg / d / name)
+                for stem in new:
+                    self._load(stem, fd)
         for name in [n for n in self.catalog.segments if n not in on_disk]:
             self._drop(name)
-        for name, path in on_disk.items():
-            if name not in self.catalog:
-                self._load(name, path)
-        self._journal.skip_to_end(start)
+        self._journal.resume(mark)
+        self.stats.unsafe_entries = self.dirs.unsafe
 
-    def _foreign(self, path: Path) -> None:
+    def _foreign(self, dir_fd: int, name: str, shown: Path) -> None:
         self.stats.foreign_files += 1
-        self._log_once(f"foreign:{path.parent}", "file backend: ignoring foreign file %s in the segment tree", path)
+        self._log_once(f"foreign:{shown.parent}", "file backend: ignoring foreign entry %s in the segment tree", shown)
         if self.writable:
-            self._move_to_quarantine(path)
+            self.dirs.quarantine(dir_fd, name)
 
-    def _load(self, name: str, path: Path | None = None) -> Segment | None:
+    def _load(self, name: str, dir_fd: int | None = None) -> Segment | None:
         """Read a segment's footer into the catalog. Holds _lock."""
-        path = path or self.layout.segment_path(name)
+        if dir_fd is None:
+            with self.dirs.fan(fanout_dir(name), create=False) as fd:
+                return self._load(name, fd) if fd >= 0 else None
+        path = self.layout.segment_path(name)
+        fname = name + SEGMENT_SUFFIX
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd, st = self.dirs.open_file(dir_fd, fname, os.O_RDONLY, single=True)
         except FileNotFoundError:
+            return None
+        except UnsafeEntry as exc:  # a link, or a hard link to a file that may live elsewhere
+            self.dirs.unsafe_entry(dir_fd, fname, path, exc)
+            self.stats.unsafe_entries = self.dirs.unsafe
             return None
         except OSError as exc:
             self.stats.read_failures += 1
             self._log_once(f"open:{exc.errno}", "file backend: cannot open segment %s: %s", path, exc.strerror)
             return None
         try:
-            index = read_index(fd)
+            index = read_index(fd, st.st_size)
         except SegmentError as exc:
             os.close(fd)
             self.stats.segments_quarantined += 1
             self._log_once(f"badseg:{exc}", "file backend: segment %s is not valid (%s); quarantined", path, exc)
             if self.writable:
-                self._move_to_quarantine(path)
+                self.dirs.quarantine(dir_fd, fname)
             return None
         except OSError as exc:
             os.close(fd)
             self.stats.read_failures += 1
             self._log_once(f"read:{exc.errno}", "file backend: cannot read segment %s: %s", path, exc.strerror)
             return None
-        seg = Segment(name=name, path=path, index=index)
+        seg = Segment(name=name, path=path, index=index, ident=ident(st))
         self.catalog.add(seg)
         self._put_handle(name, fd)
         return seg
@@ -264,7 +343,9 @@ class FileBackend(StorageBackend):
         return seg
 
     def _poll(self) -> None:
-        """Catch up with other processes' changes: one fstat when nothing changed."""
+        """Catch up with other processes' changes: one lstat and one pread when nothing changed.
+        A removed segment takes every segment sharing a group with it (an evictor removes whole
+        groups; a reader never keeps half of one, even while it has read only part of a batch)."""
         with self._lock:
             res = self._journal.poll()
             if res.rescan:
@@ -275,7 +356,8 @@ class FileBackend(StorageBackend):
                     if name not in self.catalog and is_segment_name(name):
                         self._load(name)
                 else:
-                    self._drop(name)
+                    for victim in self.catalog.closure([name]):
+                        self._drop(victim)
 
     # -- descriptors -------------------------------------------------------------------------
     def _put_handle(self, name: str, fd: int) -> None:
@@ -298,6 +380,19 @@ class FileBackend(StorageBackend):
         if h is not None:
             self._retire(h)
 
+    def _open_segment(self, seg: Segment) -> int:
+        """A new descriptor of ``seg``'s file; FileNotFoundError when the name no longer holds the
+        file that was loaded (evicted, or replaced by anything, a link included)."""
+        with self.dirs.fan(fanout_dir(seg.name), create=False) as d:
+            try:
+                fd, st = self.dirs.open_file(d, seg.name + SEGMENT_SUFFIX, os.O_RDONLY, single=True)
+            except UnsafeEntry:
+                raise FileNotFoundError(errno.ENOENT, "replaced", str(seg.path)) from None
+        if ident(st) != seg.ident:
+            os.close(fd)
+            raise FileNotFoundError(errno.ENOENT, "replaced", str(seg.path))
+        return fd
+
     def _acquire(self, seg: Segment) -> _Handle:
         with self._lock:
             h = self._handles.get(seg.name)
@@ -305,7 +400,7 @@ class FileBackend(StorageBackend):
                 self._handles.move_to_end(seg.name)
                 h.refs += 1
                 return h
-        fd = os.open(seg.path, os.O_RDONLY)
+        fd = self._open_segment(seg)
         with self._lock:
             h = self._handles.get(seg.name)
             if h is not None:
@@ -369,13 +464,15 @@ class FileBackend(StorageBackend):
                     size, self.opts.max_bytes,
                 )
                 continue
-            batches.append(batch)
+            batches.append((batch, size))
 
-        def write(batch: list[tuple[PoolKind, int, Page]]) -> None:
+        published: list[str] = []  # this call's segments: never evicted by its own eviction
+
+        def write(batch: tuple[list[tuple[PoolKind, int, Page]], int]) -> None:
             if time.monotonic() > deadline:
                 self._log_once("set:deadline", "file backend: page_set ran past its deadline; pages failed")
-            elif self._write(batch):
-                for pool, i, _page in batch:
+            elif self._write(batch[0], batch[1], published):
+                for pool, i, _page in batch[0]:
                     results[pool][i] = PageResult.OK
 
         if self._writers is not None and len(batches) > 1:
@@ -384,7 +481,7 @@ class FileBackend(StorageBackend):
         else:
             for batch in batches:
                 write(batch)
-        self._maybe_evict()
+        self._maybe_evict(set(published))
         return results
 
     def _all_stored(self, items: list[tuple[PoolKind, int, Page]]) -> bool:
@@ -413,42 +510,62 @@ class FileBackend(StorageBackend):
         if cur:
             yield cur, size
 
-    def _write(self, batch: list[tuple[PoolKind, int, Page]]) -> bool:
+    def _write(self, batch: list[tuple[PoolKind, int, Page]], size: int, published: list[str]) -> bool:
+        """Write and publish one segment. A full filesystem (ENOSPC, EDQUOT) with eviction on is
+        capacity pressure: evict least recently used groups (never this call's), then retry once."""
+        for attempt in (0, 1):
+            try:
+                name = self._write_once(batch)
+            except OSError as exc:
+                if attempt == 0 and exc.errno in _NO_SPACE and self.opts.max_bytes is not None:
+                    self._make_room(size, set(published))
+                    continue
+                self.stats.write_failures += 1
+                self._log_once(
+                    f"write:{exc.errno}", "file backend: writing a segment under %s failed (%s); %d pages failed, "
+                    "nothing stored was touched", self.layout.tmp, exc.strerror or exc, len(batch),
+                )
+                return False
+            published.append(name)
+            return True
+        return False
+
+    def _write_once(self, batch: list[tuple[PoolKind, int, Page]]) -> str:
         with self._lock:
             self._seq += 1
             name = segment_name(self._writer, self._seq)
+        items = [(pool, page) for pool, _i, page in batch]
+        ws = write_segment(self.dirs, name, items, self.opts.fsync, self._regions.view, self._io)
+        fname = name + SEGMENT_SUFFIX
         try:
-            items = [(pool, page) for pool, _i, page in batch]
-            ws = write_segment(self.layout, name, items, self.opts.fsync, self._regions.view, self._io)
-        except OSError as exc:
-            self.stats.write_failures += 1
-            self._log_once(
-                f"write:{exc.errno}", "file backend: writing a segment under %s failed (%s); %d pages failed, "
-                "nothing stored was touched", self.layout.tmp, exc.strerror or exc, len(batch),
-            )
-            return False
-        final = self.layout.segment_path(name)
-        try:
-            with self._root_lock(exclusive=False):
-                os.rename(ws.tmp_path, final)
-                self._journal.append(Op.ADD, [name])
-            if self.opts.fsync:
-                fsync_dir(final.parent)
-        except OSError as exc:
-            self.stats.write_failures += 1
-            self._log_once(f"publish:{exc.errno}", "file backend: publishing %s failed: %s", final, exc.strerror)
+            with self._root_lock(exclusive=False), self.dirs.fan(fanout_dir(name)) as d:
+                os.rename(ws.tmp_name, fname, src_dir_fd=self.dirs.tmp, dst_dir_fd=d)
+                try:
+                    # under the shared lock no one compacts: the record lands in the journal every
+                    # live reader reads (append checks the inode and follows a compaction)
+                    self._journal.append(Op.ADD, [name])
+                except JournalUnavailable as exc:
+                    # readers without a journal list the directory once a second: still found
+                    self._log_once("journal:gone", "file backend: %s; other processes find new segments "
+                                   "by listing the directory", exc.strerror)
+                except OSError:
+                    os.unlink(fname, dir_fd=d)  # no notice, no acknowledgement: a peer would never see it
+                    raise
+                if self.opts.fsync:
+                    os.fsync(d)
+            st = os.fstat(ws.fd)
+        except BaseException:
             os.close(ws.fd)
-            for p in (ws.tmp_path, final):
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
-            return False
+            with contextlib.suppress(OSError):
+                os.unlink(ws.tmp_name, dir_fd=self.dirs.tmp)
+            raise
         fcntl.flock(ws.fd, fcntl.LOCK_UN)
         self.stats.segments_written += 1
         self.stats.segments_recycled += ws.recycled
         with self._lock:
-            self.catalog.add(Segment(name=name, path=final, index=ws.index))
+            self.catalog.add(Segment(name=name, path=self.layout.segment_path(name), index=ws.index, ident=ident(st)))
             self._put_handle(name, ws.fd)
-        return True
+        return name
 
     @hookimpl
     def page_get(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
@@ -498,7 +615,7 @@ class FileBackend(StorageBackend):
     def _read_segment(self, seg: Segment, items: list[_Item], results: dict[PoolKind, list[PageResult]]) -> None:
         try:
             h = self._acquire(seg)
-        except FileNotFoundError:  # evicted by another process since our last poll
+        except FileNotFoundError:  # evicted (or replaced) by another process since our last poll
             with self._lock:
                 self._drop(seg.name)
             return
@@ -566,7 +683,9 @@ class FileBackend(StorageBackend):
     ) -> None:
         """Failed validation: corruption, or a segment evicted and recycled under us."""
         try:
-            same = os.stat(seg.path).st_ino == os.fstat(fd).st_ino
+            with self.dirs.fan(fanout_dir(seg.name), create=False) as d:
+                same = d >= 0 and ident(
+                    os.stat(seg.name + SEGMENT_SUFFIX, dir_fd=d, follow_symlinks=False)) == seg.ident
         except FileNotFoundError:
             same = False
         if not same:  # removed by another process: the pages are simply gone
@@ -608,42 +727,80 @@ class FileBackend(StorageBackend):
             self._closed = True
             self._regions = RegionViews()
             for name in list(self._handles):
-                self._retire_handle(name)
+                with contextlib.suppress(OSError):
+                    self._retire_handle(name)
             self._journal.close()
             for ex in (self._readers, self._writers, self._io):
                 if ex is not None:
                     ex.shutdown(wait=False)
+        with self._fs_lock:  # no thread is inside the root lock any more
             if self._lock_fd >= 0:
-                os.close(self._lock_fd)
+                with contextlib.suppress(OSError):
+                    os.close(self._lock_fd)
                 self._lock_fd = -1
+        with self._lock:
+            self.dirs.close()
 
     # -- capacity ----------------------------------------------------------------------------
-    def _maybe_evict(self) -> None:
+    def _maybe_evict(self, protect: set[str]) -> None:
         cap = self.opts.max_bytes
-        journal_full = self._journal.records() > self.opts.journal_max_records
+        journal_full = self._journal.records() > self.opts.journal_max_records or self._journal.damaged
         if (cap is None or self.catalog.bytes <= cap) and not journal_full:
             return
         with self._root_lock(exclusive=True):
+            self._finish_intent()
             self._poll()
             if cap is not None and self.catalog.bytes > cap:
-                self._evict_lru(cap)
-            if self._journal.records() > self.opts.journal_max_records:
+                self._evict_lru(cap * self.opts.evict_to, protect, recycle=True)
+            if self._journal.records() > self.opts.journal_max_records or self._journal.damaged:
                 with self._lock:
-                    self._journal.compact()
+                    self._poll()  # caught up (no one else appends now), so nothing is lost in the swap
+                    try:
+                        self._journal.compact()
+                    except OSError as exc:
+                        self._log_once(f"compact:{exc.errno}", "file backend: cannot compact the journal: %s", exc)
 
-    def _evict_lru(self, cap: int) -> None:
+    def _make_room(self, need: int, protect: set[str]) -> None:
+        """The filesystem is full: drop the kept free files and evict least recently used groups
+        (deleting their files) as if the capacity were what is stored now."""
+        self.stats.no_space_evictions += 1
+        self._log_once("nospace", "file backend: the filesystem under %s is full; evicting to make room", self.root)
+        with self._root_lock(exclusive=True):
+            self._finish_intent()
+            self._poll()
+            with contextlib.suppress(OSError), os.scandir(self.dirs.free) as it:
+                names = [e.name for e in it if e.is_file(follow_symlinks=False)]
+            for name in names:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self.dirs.free)
+            target = max(0.0, self.catalog.bytes * self.opts.evict_to - need)
+            self._evict_lru(target, protect, recycle=False)
+
+    def _evict_lru(self, target: float, protect: set[str], recycle: bool) -> None:
         """Evict least recently used segments (with every segment sharing a group) down to
-        ``evict_to * max_bytes``. Caller holds the exclusive root lock."""
-        target = cap * self.opts.evict_to
+        ``target`` bytes, never one of ``protect`` (the calling ``page_set``'s own segments) nor
+        anything sharing a group with them. Caller holds the exclusive root lock."""
         with self._lock:
             segs = list(self.catalog.segments.values())
+        by_dir: dict[str, list[Segment]] = defaultdict(list)
+        for seg in segs:
+            by_dir[fanout_dir(seg.name)].append(seg)
         aged: list[tuple[float, Segment]] = []
         gone: list[str] = []
-        for seg in segs:
-            try:
-                aged.append((os.stat(seg.path).st_mtime, seg))
-            except FileNotFoundError:
-                gone.append(seg.name)
+        for d, group in by_dir.items():
+            with self.dirs.fan(d, create=False) as fd:
+                for seg in group:
+                    try:
+                        st = os.stat(seg.name + SEGMENT_SUFFIX, dir_fd=fd, follow_symlinks=False)
+                    except (FileNotFoundError, ValueError):
+                        gone.append(seg.name)
+                        continue
+                    except OSError:
+                        continue
+                    if ident(st) != seg.ident:
+                        gone.append(seg.name)
+                    else:
+                        aged.append((st.st_mtime, seg))
         with self._lock:
             for name in gone:
                 self._drop(name)
@@ -653,78 +810,202 @@ class FileBackend(StorageBackend):
             for _mtime, seg in aged:
                 if self.catalog.bytes - freed <= target:
                     break
-                if seg.name in victims:
+                if seg.name in victims or seg.name in protect:
                     continue
-                for name in self.catalog.closure([seg.name]) - victims:
+                closure = self.catalog.closure([seg.name])
+                if closure & protect:
+                    continue
+                for name in closure - victims:
                     victims.add(name)
                     freed += self.catalog.segments[name].size
-        self._remove(victims, quarantine=None)
+        self._remove(victims, quarantine=None, recycle=recycle)
 
     def _evict(self, names: set[str], quarantine: str | None) -> None:
         with self._root_lock(exclusive=True):
+            self._finish_intent()
             with self._lock:
                 victims = self.catalog.closure(names)
             self._remove(victims, quarantine)
 
-    def _remove(self, victims: set[str], quarantine: str | None) -> None:
+    def _remove(self, victims: set[str], quarantine: str | None, recycle: bool = True) -> None:
         """Unpublish ``victims`` (rename to free/ for reuse, or unlink; ``quarantine`` to
-        quarantine/), then tell the others. Caller holds the exclusive root lock."""
+        quarantine/), crash-safely as one set: the intent file, then every "removed" record in one
+        append, then the files, then the intent goes. Caller holds the exclusive root lock."""
         if not victims:
             return
-        try:
-            free_now = sum(1 for e in os.scandir(self.layout.free) if e.name.endswith(".free"))
-        except OSError:
-            free_now = self.opts.recycle_files
-        removed: list[str] = []
-        for name in sorted(victims):
-            with self._lock:
-                seg = self._drop(name)
-            if seg is None:
-                continue
-            try:
-                if name == quarantine:
-                    self.stats.segments_quarantined += 1
-                    self._move_to_quarantine(seg.path)
-                elif free_now < self.opts.recycle_files:
-                    os.rename(seg.path, self.layout.free / f"{name}.free")
-                    free_now += 1
-                else:
-                    os.unlink(seg.path)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                self._log_once(f"evict:{exc.errno}", "file backend: cannot remove %s: %s", seg.path, exc.strerror)
-                continue
-            removed.append(name)
-            if name != quarantine:
+        with self._lock:
+            segs = [seg for name in sorted(victims) if (seg := self._drop(name)) is not None]
+        if not segs:
+            return
+        names = [seg.name for seg in segs]
+        written = self._write_intent(names)
+        self._notify_removed(names)
+        self._remove_files(names, quarantine, recycle, {seg.name: seg for seg in segs})
+        for seg in segs:
+            if seg.name != quarantine:
                 self.stats.segments_evicted += 1
                 self.stats.pages_evicted += len(seg.index)
-        self._journal.append(Op.REMOVE, removed)
+        if written:
+            self._delete_intent()
 
-    def _move_to_quarantine(self, path: Path) -> None:
-        q = self.layout.quarantine
+    def _notify_removed(self, names: list[str]) -> None:
         try:
-            os.rename(path, q / f"{int(time.time())}-{path.name}")
-            entries = sorted(os.scandir(q), key=lambda e: e.stat().st_mtime)
-            for e in entries[: max(0, len(entries) - _QUARANTINE_KEEP)]:
-                os.unlink(e.path)
+            self._journal.append(Op.REMOVE, names)
+        except OSError as exc:  # the files still go: readers then miss the pages (never a torn group)
+            self._log_once(f"journal:{exc.errno}", "file backend: cannot append to the journal: %s", exc)
+
+    def _remove_files(
+        self, names: list[str], quarantine: str | None, recycle: bool, segs: Mapping[str, Segment]
+    ) -> None:
+        """The files of removed segments: to free/ (up to ``recycle_files``), quarantine/, or
+        unlinked. A name that no longer holds the file that was loaded (``segs``) is not ours any
+        more: a link or anything else there is quarantined, never followed."""
+        try:
+            with os.scandir(self.dirs.free) as it:
+                free_now = sum(1 for e in it if e.name.endswith(".free"))
+        except OSError:
+            free_now = self.opts.recycle_files
+        for name in names:
+            fname = name + SEGMENT_SUFFIX
+            with self.dirs.fan(fanout_dir(name), create=False) as d:
+                if d < 0:
+                    continue
+                try:
+                    st = os.stat(fname, dir_fd=d, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    self._log_once(f"evict:{exc.errno}", "file backend: cannot remove %s: %s", fname, exc.strerror)
+                    continue
+                seg = segs.get(name)
+                try:
+                    if seg is not None and ident(st) != seg.ident:
+                        self.dirs.unsafe_entry(d, fname, self.layout.segment_path(name), "replaced")
+                    elif name == quarantine:
+                        self.stats.segments_quarantined += 1
+                        self.dirs.quarantine(d, fname)
+                    elif recycle and free_now < self.opts.recycle_files and st.st_nlink == 1:
+                        os.rename(fname, f"{name}.free", src_dir_fd=d, dst_dir_fd=self.dirs.free)
+                        free_now += 1
+                    else:
+                        os.unlink(fname, dir_fd=d)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    self._log_once(f"evict:{exc.errno}", "file backend: cannot remove %s: %s", fname, exc.strerror)
+
+    # -- the eviction intent ---------------------------------------------------------------------
+    def _write_intent(self, names: list[str]) -> bool:
+        """ROOT/evict.intent naming ``names`` (written in tmp/, renamed in: never torn)."""
+        body = "\n".join(names)
+        text = f"{_INTENT_MAGIC} {xxhash_hex(body)}\n{body}\n".encode("ascii")
+        tmp = f"intent.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            fd, _st = self.dirs.open_file(self.dirs.tmp, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, single=True)
+            try:
+                view = memoryview(text)
+                while view:
+                    view = view[os.write(fd, view):]
+                if self.opts.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, INTENT_FILE, src_dir_fd=self.dirs.tmp, dst_dir_fd=self.dirs.root_fd)
         except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                self._log_once(f"quarantine:{exc.errno}", "file backend: cannot quarantine %s: %s", path, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.dirs.tmp)
+            self._log_once(f"intent:{exc.errno}", "file backend: cannot write the eviction intent (%s); evicting "
+                           "without it (a crash now could split a group)", exc.strerror or exc)
+            return False
+        return True
+
+    def _read_intent(self) -> set[str]:
+        """The segments an unfinished eviction removes (empty when none, or not readable)."""
+        try:
+            fd, st = self.dirs.open_file(self.dirs.root_fd, INTENT_FILE, os.O_RDONLY, single=False)
+        except FileNotFoundError:
+            return set()
+        except OSError as exc:
+            if isinstance(exc, UnsafeEntry):
+                self.dirs.unsafe_entry(self.dirs.root_fd, INTENT_FILE, self.root / INTENT_FILE, exc)
+            return set()
+        try:
+            raw = os.pread(fd, min(st.st_size, 64 << 20), 0).decode("ascii", "replace")
+        except OSError:
+            return set()
+        finally:
+            os.close(fd)
+        head, _, body = raw.partition("\n")
+        body = body[:-1] if body.endswith("\n") else body
+        if head != f"{_INTENT_MAGIC} {xxhash_hex(body)}":
+            return set()
+        return {n for n in body.split("\n") if is_segment_name(n)}
+
+    def _delete_intent(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(INTENT_FILE, dir_fd=self.dirs.root_fd)
+
+    def _finish_intent(self) -> None:
+        """Complete an eviction a dead process left half done. Caller holds the exclusive lock."""
+        names = self._read_intent()
+        if not names:
+            return
+        self.stats.intents_replayed += 1
+        self._log_once("intent", "file backend: finishing an interrupted eviction of %d segment(s)", len(names))
+        with self._lock:
+            for name in names:
+                self._drop(name)
+        ordered = sorted(names)
+        self._notify_removed(ordered)
+        self._remove_files(ordered, None, True, {})
+        self._delete_intent()
 
     # -- housekeeping ------------------------------------------------------------------------
+    def _recover(self) -> None:
+        """At open, under the exclusive lock: finish an interrupted eviction, remove compaction
+        files of dead processes, reclaim dead writers' temp files."""
+        with self._root_lock(exclusive=True):
+            self._finish_intent()
+            try:
+                entries = os.listdir(self.dirs.root_fd)
+            except OSError:
+                entries = []
+            for name in entries:
+                pid = is_leftover(name, JOURNAL_FILE)
+                if pid is not None and not pid_alive(pid):
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=self.dirs.root_fd)
+            self._clean_stale_tmp()
+
     def _clean_stale_tmp(self) -> None:
-        """Recycle temp files left by dead writers (their flock is gone) once they are old."""
+        """Reclaim temp files whose writer is gone: named after a pid that no longer exists and not
+        flocked (a live writer holds its flock), they are recycled or deleted at once; a file of
+        the older naming, or of a pid that exists (maybe reused, or on another host of a shared
+        filesystem), only when unflocked and older than 10 timeouts (at least 600 s)."""
         horizon = time.time() - max(600.0, 10 * self.context.timeout_s)
+        tmp = self.dirs.tmp
         try:
-            entries = list(os.scandir(self.layout.tmp))
+            with os.scandir(tmp) as it:
+                entries = [e.name for e in it]
         except OSError:
             return
-        for e in entries:
+        try:
+            with os.scandir(self.dirs.free) as it:
+                free_now = sum(1 for e in it if e.name.endswith(".free"))
+        except OSError:
+            free_now = self.opts.recycle_files
+        for name in entries:
+            m = _TMP_RE.fullmatch(name)
+            dead = m is not None and not pid_alive(int(m.group(2) or m.group(4)))
             try:
-                if e.stat().st_ctime > horizon:
+                st = os.stat(name, dir_fd=tmp, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    if stat.S_ISLNK(st.st_mode):
+                        self.dirs.unsafe_entry(tmp, name, self.layout.tmp / name, "a symbolic link")
                     continue
-                fd = os.open(e.path, os.O_RDONLY)
+                if not dead and (not name.endswith(".tmp") or st.st_ctime > horizon):
+                    continue
+                fd, st = self.dirs.open_file(tmp, name, os.O_RDONLY, single=False)
             except OSError:
                 continue
             try:
@@ -733,7 +1014,12 @@ class FileBackend(StorageBackend):
                 os.close(fd)
                 continue
             try:
-                os.unlink(e.path)
+                if m is not None and m.group(1) and st.st_nlink == 1 and free_now < self.opts.recycle_files:
+                    os.rename(name, f"{m.group(1)}.free", src_dir_fd=tmp, dst_dir_fd=self.dirs.free)
+                    free_now += 1
+                else:
+                    os.unlink(name, dir_fd=tmp)
+                self.stats.tmp_reclaimed += 1
             except OSError:
                 pass
             finally:
@@ -743,11 +1029,12 @@ class FileBackend(StorageBackend):
         """Current use of the whole root as this process sees it (after catching up)."""
         self._poll()
         free_files = free_bytes = 0
-        with contextlib.suppress(OSError), os.scandir(self.layout.free) as it:
+        with contextlib.suppress(OSError), os.scandir(self.dirs.free) as it:
             for e in it:
                 free_files += 1
-                free_bytes += e.stat().st_size
+                free_bytes += e.stat(follow_symlinks=False).st_size
         with self._lock:
+            self.stats.unsafe_entries = self.dirs.unsafe
             return {
                 "bytes": self.catalog.bytes,
                 "pages": self.catalog.pages,
@@ -757,6 +1044,10 @@ class FileBackend(StorageBackend):
                 "free_bytes": free_bytes,
                 **vars(self.stats),
             }
+
+
+def xxhash_hex(text: str) -> str:
+    return f"{xxhash.xxh32_intdigest(text.encode('ascii', 'replace')):08x}"
 
 
 def _item_offset(item: _Item) -> int:

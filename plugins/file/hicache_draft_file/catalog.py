@@ -24,6 +24,7 @@ class Segment:
     name: str
     path: Path
     index: SegmentIndex
+    ident: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file loaded: a replaced name is not it
     live: bool = field(default=True)
     sid: int = field(default=-1)  # the catalog's number for it, set by Catalog.add
 

@@ -1,35 +1,68 @@
 """The shared change journal: how processes on one root learn of each other's segments.
 
 An append-only file of fixed 64-byte records, "segment added" or "segment removed", each with
-its own checksum. A writer appends one record right after it publishes a segment (both under a
-shared flock); an evictor appends "removed" records (under the exclusive flock). A reader keeps
-its offset and, at the start of each call, runs one ``fstat``: nothing new costs about a
-microsecond; new records name exactly which segment footers to load or drop.
+its own checksum; a journal starts with a "generation" record holding random bytes. A writer
+appends one record right after it publishes a segment (both under the shared root flock); an
+evictor appends "removed" records under the exclusive flock. The directory is the truth; the
+journal is a notice board, and whenever a reader cannot trust what it has read it lists the
+directory again (a rescan).
 
-The directory is the truth; the journal is a notice board. When it is compacted (replaced by
-rename under the exclusive lock), every reader sees ``st_nlink == 0`` on its descriptor and
-rescans the directory once. A record that fails its checksum also triggers a rescan.
+Concurrency (what makes a lost or misdirected notice impossible, not unlikely):
+
+* The descriptor belongs to this object and is touched only under its own lock ``_mu``: append,
+  poll, records, mark, compact and close all take it, so no thread ever uses a number another
+  thread closed. Whenever a descriptor is given up (replaced, failed reopen) ``fd`` becomes -1
+  and the next use reopens it lazily; ``close`` never raises.
+* Appends happen only under the root flock (shared or exclusive) and compaction only under the
+  exclusive one, so before writing, ``append`` compares the journal's current device and inode
+  (an ``lstat`` of the name relative to the root descriptor) with its descriptor's: if the
+  journal was compacted or replaced since, it reopens the current one and appends there (and
+  this reader rescans at its next poll, since it skipped the old journal's tail). A notice is
+  therefore always written into the journal every live reader will read.
+* A reader remembers the device and inode of its descriptor, its offset, and the last record it
+  consumed. Each poll is one ``lstat`` of the name and one ``pread`` from the record before its
+  offset: another inode (compacted, replaced), a size below the offset (truncated) or a
+  different record at offset - 64 (truncated and regrown past the offset, with any size) means
+  rescan; so does a damaged record. A journal that cannot be opened (missing, a directory, a
+  link) makes the reader rescan at most once a second until it can.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import secrets
+import stat
 import struct
+import threading
+import time
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 
 import xxhash
+
+from hicache_draft_file.rootfs import NOFOLLOW, ident
 
 RECORD_SIZE = 64
 _MAGIC = b"HJ"
 _REC = struct.Struct("<2sBB56s")
 assert _REC.size + 4 == RECORD_SIZE
+# while the journal is unusable, a reader lists the directory at most this often
+BLIND_RESCAN_S = 1.0
+
+
+class JournalUnavailable(OSError):
+    """There is no journal file that can be opened (missing and not creatable, a directory, a link)."""
 
 
 class Op(Enum):
     ADD = ord("A")
     REMOVE = ord("D")
+    GENERATION = ord("G")  # the first record of a journal: random bytes, never a segment
+
+
+_OPS = {op.value: op for op in Op}
 
 
 @dataclass
@@ -41,6 +74,18 @@ class PollResult:
     records: list[tuple[Op, str]]
 
 
+@dataclass(frozen=True)
+class Mark:
+    """Where the journal stood just before a directory scan (see :meth:`Journal.mark`)."""
+
+    ident: tuple[int, int] | None
+    size: int
+    tail: bytes
+
+
+_NOTHING = PollResult(False, [])
+
+
 def _pack(op: Op, name: str) -> bytes:
     raw = name.encode("ascii")
     if len(raw) > 56:
@@ -49,86 +94,241 @@ def _pack(op: Op, name: str) -> bytes:
     return body + struct.pack("<I", xxhash.xxh32_intdigest(body))
 
 
-class Journal:
-    """One process's view of the journal file at ``path``."""
+def generation_record() -> bytes:
+    return _pack(Op.GENERATION, secrets.token_hex(16))
 
-    def __init__(self, path: Path, writable: bool) -> None:
-        self.path = path
+
+class Journal:
+    """One process's view of the journal ``name`` in the root directory ``dir_fd``."""
+
+    def __init__(self, dir_fd: int, name: str, writable: bool) -> None:
+        self.dir_fd = dir_fd
+        self.name = name
         self.writable = writable
         self.fd = -1
+        self.ident: tuple[int, int] | None = None
         self.offset = 0
-        self._open()
+        self._tail = b""  # the last record consumed (the one before offset)
+        self._stale = False  # a rescan is owed (we switched files in append)
+        self._blind_at = 0.0
+        self.damaged = False  # a damaged record was seen: compact at the next chance
+        self._mu = threading.Lock()
+        with self._mu:
+            self._reopen()
 
-    def _open(self) -> None:
-        if self.writable:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        else:
+    # -- descriptor (all under _mu) -------------------------------------------------------------
+    def _drop_fd(self) -> None:
+        fd, self.fd, self.ident = self.fd, -1, None
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _reopen(self) -> bool:
+        """Open the current journal (creating it when writable and missing); False leaves fd -1."""
+        self._drop_fd()
+        self.offset, self._tail = 0, b""
+        flags = (os.O_RDWR | os.O_APPEND) if self.writable else os.O_RDONLY
+        for _attempt in range(3):
             try:
-                self.fd = os.open(self.path, os.O_RDONLY)
+                fd = os.open(self.name, flags | NOFOLLOW, dir_fd=self.dir_fd)
             except FileNotFoundError:
-                self.fd = -1
-        self.offset = 0
+                if not self.writable or not self._create():
+                    return False
+                continue
+            except OSError:
+                return False
+            try:
+                st = os.fstat(fd)
+            except OSError:
+                os.close(fd)
+                return False
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                return False
+            self.fd, self.ident = fd, ident(st)
+            return True
+        return False
 
-    def size(self) -> int:
-        return os.fstat(self.fd).st_size if self.fd >= 0 else 0
+    def _create(self) -> bool:
+        """A new journal (its generation record first), linked in only where none exists."""
+        tmp = self._new_file()
+        if tmp is None:
+            return False
+        name, fd = tmp
+        os.close(fd)
+        try:
+            os.link(name, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileExistsError:
+            pass
+        except OSError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self.dir_fd)
+        return True
 
+    def _new_file(self) -> tuple[str, int] | None:
+        """``journal.<pid>.<random>.new`` holding one generation record, open for appending."""
+        name = f"{self.name}.{os.getpid()}.{secrets.token_hex(4)}.new"
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644,
+                         dir_fd=self.dir_fd)
+        except OSError:
+            return None
+        try:
+            os.write(fd, generation_record())
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=self.dir_fd)
+            return None
+        return name, fd
+
+    def _lstat(self) -> os.stat_result | None:
+        try:
+            st = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except OSError:
+            return None
+        return st if stat.S_ISREG(st.st_mode) else None
+
+    def _current(self) -> bool:
+        """Make fd the journal the name holds now (reopening if it was replaced); False: none."""
+        st = self._lstat()
+        if self.fd >= 0 and st is not None and ident(st) == self.ident:
+            return True
+        self._stale = True  # whatever the old file held past our offset was not read
+        return self._reopen()
+
+    # -- the interface -------------------------------------------------------------------------
     def records(self) -> int:
-        return self.size() // RECORD_SIZE
+        with self._mu:
+            if self.fd < 0:
+                return 0
+            try:
+                return os.fstat(self.fd).st_size // RECORD_SIZE
+            except OSError:
+                return 0
 
-    def skip_to_end(self, size: int) -> None:
-        """Start reading at ``size`` (taken before a directory scan, so nothing is missed)."""
-        self.offset = size
+    def mark(self) -> Mark:
+        """The journal's state before a directory scan; :meth:`resume` after it starts reading
+        there, so nothing published after the mark is missed."""
+        with self._mu:
+            self._stale = False
+            if not self._current():
+                return Mark(None, 0, b"")
+            self._stale = False
+            try:
+                size = os.fstat(self.fd).st_size // RECORD_SIZE * RECORD_SIZE
+                tail = os.pread(self.fd, RECORD_SIZE, size - RECORD_SIZE) if size else b""
+            except OSError:
+                self._drop_fd()
+                return Mark(None, 0, b"")
+            return Mark(self.ident, size, tail)
+
+    def resume(self, mark: Mark) -> None:
+        with self._mu:
+            if mark.ident is not None and mark.ident == self.ident and len(mark.tail) == min(mark.size, RECORD_SIZE):
+                self.offset, self._tail = mark.size, mark.tail
+            else:
+                self._stale = True
 
     def append(self, op: Op, names: list[str]) -> None:
-        """Append records in one ``write`` (an O_APPEND write is not interleaved with others)."""
+        """Append records in one ``write`` (an O_APPEND write is not interleaved with others) to
+        the journal the root holds now. The caller holds the root flock. Raises OSError when there
+        is no usable journal (the segment is still published: rescans find it)."""
         if not names:
             return
         data = b"".join(_pack(op, n) for n in names)
-        view = memoryview(data)
-        while view:
-            done = os.write(self.fd, view)
-            view = view[done:]
+        with self._mu:
+            if not self._current():
+                raise JournalUnavailable(errno.ENOENT, "no usable journal (missing, or not a regular file)", self.name)
+            view = memoryview(data)
+            try:
+                while view:
+                    done = os.write(self.fd, view)
+                    view = view[done:]
+            except OSError:
+                self._drop_fd()
+                self._stale = True
+                raise
 
     def poll(self) -> PollResult:
-        if self.fd < 0:
-            if not self.path.exists():
-                return PollResult(False, [])
-            self._open()
-            return PollResult(True, [])
-        st = os.fstat(self.fd)
-        if st.st_nlink == 0:  # compacted: replaced by rename
-            os.close(self.fd)
-            self._open()
-            return PollResult(True, [])
-        if st.st_size < self.offset:
-            self.offset = 0
-            return PollResult(True, [])
-        whole = (st.st_size - self.offset) // RECORD_SIZE * RECORD_SIZE
-        if not whole:
-            return PollResult(False, [])
-        raw = os.pread(self.fd, whole, self.offset)
-        out: list[tuple[Op, str]] = []
-        for pos in range(0, len(raw) - RECORD_SIZE + 1, RECORD_SIZE):
-            body = raw[pos : pos + _REC.size]
-            (csum,) = struct.unpack_from("<I", raw, pos + _REC.size)
-            magic, op, n, name = _REC.unpack(body)
-            if magic != _MAGIC or csum != xxhash.xxh32_intdigest(body) or op not in (65, 68) or n > 56:
-                self.offset = st.st_size
+        with self._mu:
+            if self._stale:
+                self._stale = False
                 return PollResult(True, [])
-            out.append((Op(op), name[:n].decode("ascii", "replace")))
-        self.offset += len(raw) - len(raw) % RECORD_SIZE
-        return PollResult(False, out)
+            st = self._lstat()
+            if st is None or self.fd < 0 or ident(st) != self.ident:
+                if self._reopen():
+                    return PollResult(True, [])
+                now = time.monotonic()
+                if now - self._blind_at >= BLIND_RESCAN_S:
+                    self._blind_at = now
+                    return PollResult(True, [])
+                return _NOTHING
+            size = st.st_size // RECORD_SIZE * RECORD_SIZE
+            off = self.offset
+            if size < off:  # truncated
+                return PollResult(True, [])
+            try:
+                if off:  # the record before the offset must still be the one we consumed
+                    raw = os.pread(self.fd, size - off + RECORD_SIZE, off - RECORD_SIZE)
+                    if raw[:RECORD_SIZE] != self._tail:
+                        return PollResult(True, [])
+                    raw = raw[RECORD_SIZE:]
+                else:
+                    raw = os.pread(self.fd, size, 0) if size else b""
+            except OSError:
+                self._drop_fd()
+                return PollResult(True, [])
+            raw = raw[: len(raw) // RECORD_SIZE * RECORD_SIZE]
+            if not raw:
+                return _NOTHING
+            out: list[tuple[Op, str]] = []
+            for pos in range(0, len(raw), RECORD_SIZE):
+                body = raw[pos : pos + _REC.size]
+                (csum,) = struct.unpack_from("<I", raw, pos + _REC.size)
+                magic, code, n, name = _REC.unpack(body)
+                op = _OPS.get(code)
+                if magic != _MAGIC or csum != xxhash.xxh32_intdigest(body) or op is None or n > 56:
+                    self.damaged = True  # a writable store compacts it away
+                    return PollResult(True, [])  # the rescan's mark moves past the damage
+                if op is not Op.GENERATION:
+                    out.append((op, name[:n].decode("ascii", "replace")))
+            self.offset = off + len(raw)
+            self._tail = raw[-RECORD_SIZE:]
+            return PollResult(False, out)
 
     def compact(self) -> None:
-        """Replace the journal by an empty one (caller holds the exclusive root lock and rescans)."""
-        tmp = self.path.with_name(self.path.name + f".{os.getpid()}.new")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.close(fd)
-        os.rename(tmp, self.path)
-        os.close(self.fd)
-        self._open()
+        """Replace the journal by a new one holding only a generation record. The caller holds the
+        exclusive root lock and has just polled, so it has read everything the old one held."""
+        with self._mu:
+            made = self._new_file()
+            if made is None:
+                raise OSError(errno.EIO, "cannot create a new journal", self.name)
+            name, fd = made
+            try:
+                os.rename(name, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+                st = os.fstat(fd)
+            except OSError:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self.dir_fd)
+                raise
+            self._drop_fd()
+            self.fd, self.ident, self.damaged = fd, ident(st), False
+            self.offset = RECORD_SIZE
+            self._tail = os.pread(fd, RECORD_SIZE, 0)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        with self._mu:
+            self._drop_fd()
+
+
+def is_leftover(name: str, journal: str) -> int | None:
+    """The pid in a compaction file name ``<journal>.<pid>.<random>.new`` (older releases:
+    ``<journal>.<pid>.new``), else None."""
+    if not (name.startswith(journal + ".") and name.endswith(".new")):
+        return None
+    parts = name[len(journal) + 1 : -4].split(".")
+    return int(parts[0]) if parts and parts[0].isdigit() else None

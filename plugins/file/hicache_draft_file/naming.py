@@ -10,8 +10,9 @@ Root layout::
     ROOT/FORMAT          "hicache-draft-file 1" (refuses roots of another format)
     ROOT/lock            flock: shared to publish, exclusive to evict or compact the journal
     ROOT/journal         append-only change notices (segment added / removed), see journal.py
+    ROOT/evict.intent    the segments an eviction in progress removes (replayed if it died), see backend.py
     ROOT/seg/00 .. ff/   published segments (immutable once renamed here)
-    ROOT/tmp/            segments being written (invisible to readers)
+    ROOT/tmp/            segments being written (invisible to readers), <segment>.<pid>.tmp
     ROOT/free/           evicted segment files kept for reuse
     ROOT/quarantine/     segments that failed validation, kept for inspection
 """
@@ -28,6 +29,9 @@ import xxhash
 FORMAT_LINE = "hicache-draft-file 1\n"
 FANOUT = 256
 SEGMENT_SUFFIX = ".seg"
+JOURNAL_FILE = "journal"
+INTENT_FILE = "evict.intent"
+LOCK_FILE = "lock"
 MAX_KEY_LEN = 255
 MAX_GROUP_LEN = 128
 

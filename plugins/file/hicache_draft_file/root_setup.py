@@ -1,19 +1,27 @@
-"""Opening a store root: create or check it, and fail at start-up with the path named."""
+"""Opening a store root: create or check it, and fail at start-up with the path named.
+
+Everything below the root is reached through the root's descriptor without following links
+(see rootfs.py): a ``FORMAT`` or ``lock`` that is a link is refused or replaced, never read
+through, and the directories are opened with ``O_NOFOLLOW``.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import stat
 from pathlib import Path
 
 from hicache_draft import BackendSetupError
-from hicache_draft_file.naming import FORMAT_LINE, RootLayout
+from hicache_draft_file.naming import FORMAT_LINE, INTENT_FILE, RootLayout
+from hicache_draft_file.rootfs import NOFOLLOW, RootDirs
 
-_OURS = {"FORMAT", "lock", "journal", "seg", "tmp", "free", "quarantine"}
+_OURS = {"FORMAT", "lock", "journal", INTENT_FILE, "seg", "tmp", "free", "quarantine"}
 
 
-def prepare_root(root: Path, *, create: bool, read_only: bool) -> RootLayout:
+def prepare_root(root: Path, *, create: bool, read_only: bool) -> RootDirs:
     """Check (and, when writable, create) the store at ``root``; raise :class:`BackendSetupError`."""
     root = Path(os.path.abspath(root))
     layout = RootLayout(root)
@@ -35,15 +43,25 @@ def prepare_root(root: Path, *, create: bool, read_only: bool) -> RootLayout:
     if not root.is_dir():
         raise BackendSetupError(f"file backend: root {root} is not a directory")
     try:
-        entries = set(os.listdir(root))
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise BackendSetupError(f"file backend: cannot open root {root}: {exc.strerror or exc}") from None
+    try:
+        return _prepare(layout, root_fd, read_only)
+    except BaseException:
+        os.close(root_fd)
+        raise
+
+
+def _prepare(layout: RootLayout, root_fd: int, read_only: bool) -> RootDirs:
+    root = layout.root
+    try:
+        entries = set(os.listdir(root_fd))
     except OSError as exc:
         raise BackendSetupError(f"file backend: cannot list root {root}: {exc.strerror or exc}") from None
     fmt = layout.format_file
     if "FORMAT" in entries:
-        try:
-            line = fmt.read_text(encoding="ascii", errors="replace")
-        except OSError as exc:
-            raise BackendSetupError(f"file backend: cannot read {fmt}: {exc.strerror or exc}") from None
+        line = _read_format(root_fd, fmt)
         if line != FORMAT_LINE:
             raise BackendSetupError(
                 f"file backend: {fmt} says {line.strip()!r}, expected {FORMAT_LINE.strip()!r}; "
@@ -54,29 +72,54 @@ def prepare_root(root: Path, *, create: bool, read_only: bool) -> RootLayout:
             f"file backend: root {root} is a non-empty directory that is not a hicache-draft-file store "
             "(no FORMAT file); point backend_options.root at an empty or new directory"
         )
-    if read_only:
-        return layout
     try:
-        for d in layout.all_dirs():
-            d.mkdir(exist_ok=True)
-        if "FORMAT" not in entries:
-            tmp = layout.tmp / f"FORMAT.{secrets.token_hex(4)}"
-            tmp.write_text(FORMAT_LINE, encoding="ascii")
-            os.rename(tmp, fmt)
-        probe = layout.tmp / f"probe.{secrets.token_hex(4)}"
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, b"probe")
-        finally:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(probe)
-        lock_fd = os.open(layout.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-        os.close(lock_fd)
+        dirs = RootDirs(layout, root_fd, writable=not read_only)
     except OSError as exc:
-        where = exc.filename or root
         raise BackendSetupError(
-            f"file backend: root {root} is not writable ({where}: {exc.strerror or exc}); "
+            f"file backend: cannot open the directories of root {root} ({exc.filename or root}: "
+            f"{exc.strerror or exc})" + ("" if read_only else "; fix its permissions, or open it with read_only=true")
+        ) from None
+    if read_only:
+        return dirs
+    try:
+        if "FORMAT" not in entries:
+            tmp = f"FORMAT.{secrets.token_hex(4)}"
+            _write_new(dirs.tmp, tmp, FORMAT_LINE.encode("ascii"))
+            os.rename(tmp, "FORMAT", src_dir_fd=dirs.tmp, dst_dir_fd=root_fd)
+        probe = f"probe.{secrets.token_hex(4)}"
+        try:
+            _write_new(dirs.tmp, probe, b"probe")
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(probe, dir_fd=dirs.tmp)
+    except OSError as exc:
+        dirs.close(root=False)  # the caller closes the root's descriptor
+        raise BackendSetupError(
+            f"file backend: root {root} is not writable ({exc.filename or root}: {exc.strerror or exc}); "
             "fix its permissions or free space, or open it with read_only=true"
         ) from None
-    return layout
+    return dirs
+
+
+def _read_format(root_fd: int, shown: Path) -> str:
+    try:
+        fd = os.open("FORMAT", os.O_RDONLY | os.O_NONBLOCK | NOFOLLOW, dir_fd=root_fd)
+    except OSError as exc:
+        why = "it is a symbolic link (never followed)" if exc.errno == errno.ELOOP else exc.strerror or exc
+        raise BackendSetupError(f"file backend: cannot read {shown}: {why}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BackendSetupError(f"file backend: cannot read {shown}: not a regular file")
+        return os.read(fd, 256).decode("ascii", errors="replace")
+    except OSError as exc:
+        raise BackendSetupError(f"file backend: cannot read {shown}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _write_new(dir_fd: int, name: str, data: bytes) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o644, dir_fd=dir_fd)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)

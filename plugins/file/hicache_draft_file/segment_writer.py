@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hicache_draft import HEADER_SIZE, Buffer, Page, PoolKind, make_headers
-from hicache_draft_file.naming import RootLayout
+from hicache_draft_file.rootfs import RootDirs, UnsafeEntry
 from hicache_draft_file.segment_format import POOL_CODE, SegmentIndex, build_footer
 from hicache_draft_file.vectored_io import WRITE_CHUNK, preallocate, pwritev_all
 
@@ -34,39 +34,54 @@ class WrittenSegment:
     """A complete segment in ``tmp/``, not yet visible; ``fd`` is open read-write."""
 
     name: str
-    tmp_path: Path
+    tmp_name: str  # in tmp/ (the backend renames it relative to the directory's descriptor)
+    tmp_path: Path  # for messages
     fd: int
     index: SegmentIndex
     recycled: bool
 
 
-def claim_file(layout: RootLayout, name: str) -> tuple[Path, int, int, bool]:
-    """A file for segment ``name`` in ``tmp/``: (path, fd, old size, recycled).
+def claim_file(dirs: RootDirs, name: str) -> tuple[str, int, int, bool]:
+    """A file for segment ``name`` in ``tmp/``: (name in tmp/, fd, old size, recycled).
 
     An evicted file from ``free/`` is taken by rename (atomic: two writers never get the same
-    one); otherwise a new file is created. The file is flocked while written, which tells the
-    stale-file cleaner that its writer is alive.
+    one) and used only when it is a regular file with a single link (a link placed there by
+    someone else is quarantined, never written through); otherwise a new file is created. The
+    file is named after this process (``<segment>.<pid>.tmp``) and flocked while written, which
+    tells the stale-file cleaner that its writer is alive.
     """
-    tmp = layout.tmp / f"{name}.tmp"
+    tmp = tmp_name(name)
     try:
-        candidates = [e.name for e in os.scandir(layout.free) if e.name.endswith(".free")]
-    except FileNotFoundError:
+        with os.scandir(dirs.free) as it:
+            candidates = [e.name for e in it if e.name.endswith(".free")]
+    except OSError:
         candidates = []
     for cand in candidates:
         try:
-            os.rename(layout.free / cand, tmp)
+            os.rename(cand, tmp, src_dir_fd=dirs.free, dst_dir_fd=dirs.tmp)
         except FileNotFoundError:
             continue
-        fd = os.open(tmp, os.O_RDWR)
+        try:
+            fd, st = dirs.open_file(dirs.tmp, tmp, os.O_RDWR, single=True)
+        except UnsafeEntry as exc:
+            dirs.unsafe_entry(dirs.tmp, tmp, dirs.layout.free / cand, exc)
+            continue
+        except FileNotFoundError:
+            continue
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return tmp, fd, os.fstat(fd).st_size, True
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        return tmp, fd, st.st_size, True
+    fd, _st = dirs.open_file(dirs.tmp, tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, single=True)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return tmp, fd, 0, False
 
 
+def tmp_name(segment: str) -> str:
+    """The name in ``tmp/`` of a segment this process writes."""
+    return f"{segment}.{os.getpid()}.tmp"
+
+
 def write_segment(
-    layout: RootLayout,
+    dirs: RootDirs,
     name: str,
     items: Sequence[tuple[PoolKind, Page]],
     fsync: bool,
@@ -86,7 +101,7 @@ def write_segment(
     copied into the file (``pwritev`` and xxh3 both release the GIL). ``view`` gives a buffer's
     bytes (the backend passes slices of its registered regions, cheaper than ``Buffer.view``).
     """
-    tmp, fd, old_size, recycled = claim_file(layout, name)
+    tmp, fd, old_size, recycled = claim_file(dirs, name)
     try:
         views = [[view(b) for b in page.buffers] for _pool, page in items]
         index = _index_of(items, views)
@@ -108,9 +123,11 @@ def write_segment(
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dirs.tmp)
         raise
-    return WrittenSegment(name=name, tmp_path=tmp, fd=fd, index=index, recycled=recycled)
+    return WrittenSegment(
+        name=name, tmp_name=tmp, tmp_path=dirs.layout.tmp / tmp, fd=fd, index=index, recycled=recycled
+    )
 
 
 def _record_calls(
@@ -222,11 +239,3 @@ def _index_of(items: Sequence[tuple[PoolKind, Page]], views: Sequence[Sequence[m
         offsets=offsets,
         lengths=lengths,
     )
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

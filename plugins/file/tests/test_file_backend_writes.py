@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from hicache_draft_file import segment_writer
-from hicache_draft_file.naming import RootLayout
 from hicache_draft_file.root_setup import prepare_root
+from hicache_draft_file.rootfs import RootDirs
 from hicache_draft_file.segment_format import POOL_CODE, SegmentIndex, build_footer, read_index
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -63,12 +63,12 @@ def _expected(items: list[tuple[PoolKind, Page]]) -> bytes:
     return bytes(out + build_footer(index))
 
 
-def _layout(root: Path) -> RootLayout:
+def _layout(root: Path) -> RootDirs:
     return prepare_root(root, create=True, read_only=False)
 
 
 def _write(
-    layout: RootLayout, name: str, items: list[tuple[PoolKind, Page]], threaded: bool, chunk: int
+    layout: RootDirs, name: str, items: list[tuple[PoolKind, Page]], threaded: bool, chunk: int
 ) -> segment_writer.WrittenSegment:
     """``write_segment`` in the calling thread, or with a one-thread writer pool (shut down after)."""
     io = ThreadPoolExecutor(1) if threaded else None
@@ -112,7 +112,7 @@ def test_a_segment_holds_exactly_headers_payloads_and_footer(
 ) -> None:
     layout = _layout(tmp_path_factory.mktemp("seg"))
     if recycled is not None:  # an evicted file of another size waits in free/
-        (layout.free / "0000000000000000-00000001.free").write_bytes(b"\xee" * recycled)
+        (layout.layout.free / "0000000000000000-00000001.free").write_bytes(b"\xee" * recycled)
     if not prealloc:
         monkeypatch.setattr(segment_writer, "preallocate", lambda fd, size: False)
     items, _keep = _pages(sizes, split)
@@ -150,7 +150,7 @@ def test_a_failed_write_removes_the_temp_file_and_raises(
         _write(layout, "00000000000000bb-00000001", items, threaded, 65536)
     assert err.value.errno == errno.ENOSPC
     assert len(calls) == fail_at + 1, "writes went on after the first failure"
-    assert list(layout.tmp.iterdir()) == []
+    assert list(layout.layout.tmp.iterdir()) == []
     assert len(os.listdir("/proc/self/fd")) == fds_before
 
 

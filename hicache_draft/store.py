@@ -122,15 +122,15 @@ class Store:
     @classmethod
     def open(
         cls,
-        name: str,
+        name: str | None,
         options: Mapping[str, Any] | BaseModel | None = None,
         context: BackendContext | None = None,
         observers: Iterable[object] = (),
     ) -> Store:
-        """Discover the backend called ``name``, validate options and build it."""
+        """Discover the backend called ``name`` (``None``: the installed default), validate options and build it."""
         info = get_backend(name)
         assert info.cls is not None and info.capabilities is not None
-        return cls(name, info.cls, info.capabilities, options, context, observers)
+        return cls(info.name, info.cls, info.capabilities, options, context, observers)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _log_once(self, what: str, msg: str, *args: object) -> None:
@@ -198,7 +198,7 @@ class Store:
         if not any(t.pages for t in transfers):
             return "ok", {t.pool: [] for t in transfers}, _DONE
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
-        transfers = _with_headers(transfers, made=hook == "page_set")
+        transfers = attach_headers(transfers, made=hook == "page_set")
         status, value, fut = self._call(hook, {"transfers": transfers, "deadline": deadline}, deadline)
         if status == "timeout":
             self._log_once(f"{hook}:timeout", "backend %r: %s timed out; pages counted as failed", self.name, hook)
@@ -365,8 +365,9 @@ _VERIFY_CHUNK_BYTES = 16 << 20  # below this per worker, one thread verifies (xx
 _VERIFY_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
-def _with_headers(transfers: Sequence[PageTransfer], made: bool) -> list[PageTransfer]:
-    """The transfers with every page's ``header`` set: made from the page's bytes (``page_set``)
+def attach_headers(transfers: Sequence[PageTransfer], made: bool) -> list[PageTransfer]:
+    """What the store hands a backend (public for tools that call hooks directly, such as the
+    conformance kit): the transfers with every page's ``header`` set: made from the page's bytes (``page_set``)
     or zeroed for the backend to fill (``page_get``). One buffer holds all headers of the call."""
     pages = [p for t in transfers for p in t.pages]
     if made:

@@ -21,7 +21,7 @@ def _load_readme_backend(tmp_dir: Path):
     assert block, "README.md lost its backend example"
     code = block.group(1)
     cls_lines = [ln for ln in code[code.index("class DirBackend"):].splitlines() if ln.strip()]
-    assert len(cls_lines) <= 30, f"the README promises at most 30 lines, the class has {len(cls_lines)}"
+    assert len(cls_lines) <= 32, f"the README promises at most 32 lines, the class has {len(cls_lines)}"
     path = tmp_dir / "hicache_dir_readme.py"
     path.write_text(code)
     spec = importlib.util.spec_from_file_location("hicache_dir_readme", path)

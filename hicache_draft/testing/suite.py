@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -34,9 +36,10 @@ import torch
 from hicache_draft.backend import StorageBackend
 from hicache_draft.capabilities import Attention, Capabilities, Layout, PoolKind
 from hicache_draft.errors import BackendSetupError
+from hicache_draft.hookspecs import API_VERSION, hookimpl
 from hicache_draft.keys import make_key, pool_identities
 from hicache_draft.pools import HostPool, PoolSpec
-from hicache_draft.store import Store
+from hicache_draft.store import Store, attach_headers
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
 
 PAGE_SIZE = 4
@@ -143,8 +146,62 @@ def _slots(indices: list[int]) -> list[int]:
     return [i * PAGE_SIZE for i in indices]
 
 
+class RawAnswers:
+    """An observer registered next to the backend under test: it records what the backend itself
+    answered, before the core's verification (which would otherwise turn a lie into ``CORRUPT`` and
+    hide it), and can hold a call at its start until released (to make a call late on purpose)."""
+
+    def __init__(self) -> None:
+        self.answers: list[tuple[str, object]] = []
+        self.gate: threading.Event | None = None
+        self._lock = threading.Lock()
+
+    def last(self, hook: str) -> Any:  # noqa: ANN401
+        with self._lock:
+            return next(a for h, a in reversed(self.answers) if h == hook)
+
+    def _wrap(self, hook: str) -> Generator[None, object, object]:
+        gate = self.gate
+        if gate is not None:
+            gate.wait(timeout=30)
+        answer = yield
+        with self._lock:
+            self.answers.append((hook, answer))
+        return answer
+
+    @hookimpl(wrapper=True)
+    def page_set(self) -> Generator[None, object, object]:
+        return (yield from self._wrap("page_set"))
+
+    @hookimpl(wrapper=True)
+    def page_get(self) -> Generator[None, object, object]:
+        return (yield from self._wrap("page_get"))
+
+    @hookimpl(wrapper=True)
+    def page_exists(self) -> Generator[None, object, object]:
+        return (yield from self._wrap("page_exists"))
+
+
+def raw_answers(store: Store) -> RawAnswers:
+    """The :class:`RawAnswers` observer of ``store`` (registered on first use)."""
+    found = store.pm.get_plugin("kit:raw-answers")
+    if found is None:
+        found = RawAnswers()
+        store.pm.register(found, name="kit:raw-answers")
+    assert isinstance(found, RawAnswers)
+    return found
+
+
 class ConformanceSuite:
-    """Contract tests for a backend. Provide the ``backend_factory`` fixture (see module docs)."""
+    """Contract tests for a backend. Provide the ``backend_factory`` fixture (see module docs).
+
+    Every case runs for every declared pool, attention type and layout (and the generic path),
+    and judges the backend's own answers (recorded before the core's verification), so a backend
+    that would only be saved by the core's checks still fails here.
+    """
+
+    #: bound on a call whose deadline has already passed (seconds), for the deadline case
+    deadline_grace_s: float = 2.0
 
     @pytest.fixture
     def backend_factory(self) -> Callable[[], Store]:  # pragma: no cover - must be overridden
@@ -153,6 +210,7 @@ class ConformanceSuite:
     @pytest.fixture
     def store(self, backend_factory: Callable[[], Store]) -> Iterator[Store]:
         s = backend_factory()
+        raw_answers(s)  # record the backend's own answers from the first call on
         try:
             yield s
         finally:
@@ -164,8 +222,9 @@ class ConformanceSuite:
         assert cases, "the backend declares no usable (pool, attention, layout) combination"
         return cases
 
-    def _rig(self, store: Store, case: Case) -> PoolRig:
-        rig = PoolRig(case)
+    def _rig(self, store: Store, case: Case, namespace: str | None = None) -> PoolRig:
+        raw_answers(store)
+        rig = PoolRig(case, namespace)
         store.register_pool(rig.registration())
         return rig
 
@@ -176,15 +235,35 @@ class ConformanceSuite:
         return pages
 
     def _read(
-        self, store: Store, rig: PoolRig, groups: list[str], idx: list[int]
+        self, store: Store, rig: PoolRig, groups: list[str], idx: list[int], strict: bool = True
     ) -> tuple[list[Page], list[PageResult]]:
-        reader = PoolRig(rig.case, rig.namespace)  # a second, zeroed pool of the same shape
+        """Read into a second, zeroed pool of the same shape. ``strict``: return the backend's own
+        answers, which the core's verified results must equal (a page the backend called OK that
+        fails verification is a backend bug); otherwise return the core's verified results."""
+        rec = raw_answers(store)
+        reader = PoolRig(rig.case, rig.namespace)
         reader.pool.raw.zero_()
         store.register_pool(reader.registration())
         pages = reader.pages(groups, _slots(idx), fill=False)
         res, done = store.page_get([reader.transfer(pages)])
         assert done.done()
-        return pages, res[rig.case.pool]
+        if not strict:
+            return pages, res[rig.case.pool]
+        raw = _results(rec.last("page_get"), rig.case.pool, len(pages), rig.case.id)
+        assert res[rig.case.pool] == raw, (
+            f"{rig.case.id}: the backend answered {raw} but the core's verification found {res[rig.case.pool]}"
+        )
+        return pages, raw
+
+    def _exists(self, store: Store, pool: PoolKind, keys: list[str]) -> int:
+        rec = raw_answers(store)
+        counts = store.page_exists({pool: keys})
+        if keys:
+            answer = rec.last("page_exists")
+            assert isinstance(answer, Mapping) and answer.get(pool) == counts[pool], (
+                f"page_exists answered {answer!r} for {len(keys)} keys of pool {pool.value}"
+            )
+        return counts[pool]
 
     # -- declaration ----------------------------------------------------------------------------
     def test_declaration_is_valid(self, store: Store) -> None:
@@ -192,6 +271,7 @@ class ConformanceSuite:
         assert isinstance(caps, Capabilities)
         assert PoolKind.KV in caps.pools
         assert isinstance(store.backend, StorageBackend)
+        assert store.backend.api_version == API_VERSION
 
     # -- round trips --------------------------------------------------------------------------
     def test_round_trip_every_declared_case(self, store: Store) -> None:
@@ -228,57 +308,90 @@ class ConformanceSuite:
                 assert rd.page_bytes(dst) == r.page_bytes(src)
 
     def test_large_batch(self, store: Store) -> None:
-        case = self._cases(store)[0]
-        rig = self._rig(store, case)
-        groups = random_groups(128)
-        idx = [i % NUM_PAGES for i in range(128)]
-        self._write(store, rig, groups, idx)
-        _, res = self._read(store, rig, groups, idx)
-        assert res == [OK] * 128
+        for kind in sorted(store.capabilities.pools):
+            case = next(c for c in self._cases(store) if c.pool is kind)
+            rig = self._rig(store, case)
+            groups = random_groups(128)
+            idx = [i % NUM_PAGES for i in range(128)]
+            self._write(store, rig, groups, idx)
+            _, res = self._read(store, rig, groups, idx)
+            assert res == [OK] * 128, f"{case.id}: {res}"
 
     # -- existence ------------------------------------------------------------------------------
     def test_exists_counts_leading_stored_pages(self, store: Store) -> None:
-        case = self._cases(store)[0]
-        rig = self._rig(store, case)
-        groups = random_groups(6)
-        keys = [make_key(g, rig.namespace) for g in groups]
-        assert store.page_exists({case.pool: keys}) == {case.pool: 0}
-        self._write(store, rig, groups[:3], [0, 1, 2])
-        self._write(store, rig, groups[4:5], [4])  # a hole at index 3
-        assert store.page_exists({case.pool: keys}) == {case.pool: 3}
-        assert store.page_exists({case.pool: keys[3:]}) == {case.pool: 0}
-        assert store.page_exists({case.pool: keys[4:5]}) == {case.pool: 1}
-        assert store.page_exists({case.pool: []}) == {case.pool: 0}
+        for case in self._cases(store):
+            rig = self._rig(store, case)
+            groups = random_groups(7)
+            keys = [make_key(g, rig.namespace) for g in groups]
+            assert self._exists(store, case.pool, keys) == 0, f"{case.id}: claims pages never stored"
+            self._write(store, rig, groups[:3], [0, 1, 2])
+            self._write(store, rig, groups[4:6], [4, 5])  # a hole at index 3, then two stored, then one never
+            assert self._exists(store, case.pool, keys) == 3, f"{case.id}: must stop at the hole at index 3"
+            assert self._exists(store, case.pool, keys[:2]) == 2, f"{case.id}: more than the keys asked for"
+            assert self._exists(store, case.pool, keys[3:]) == 0, f"{case.id}: a missing first key means 0"
+            assert self._exists(store, case.pool, keys[4:]) == 2, f"{case.id}: stops at the never-stored key"
+            assert self._exists(store, case.pool, []) == 0
+
+    def test_exists_never_claims_another_namespace_or_pool(self, store: Store) -> None:
+        for case in self._cases(store):
+            rig = self._rig(store, case)
+            groups = random_groups(3)
+            self._write(store, rig, groups, [0, 1, 2])
+            for ns in _other_namespaces(rig):
+                keys = [make_key(g, ns) for g in groups]
+                assert self._exists(store, case.pool, keys) == 0, f"{case.id}: claims namespace {ns}'s pages"
+            other = PoolKind.DRAFT if case.pool is PoolKind.KV else PoolKind.KV
+            if other in store.capabilities.pools:  # the same keys asked for under the other pool
+                keys = [make_key(g, rig.namespace) for g in groups]
+                n = self._exists(store, other, keys)
+                assert n in (0, 3), f"{case.id}: existence under pool {other.value} answered {n}"
 
     # -- per-page results -------------------------------------------------------------------------
     def test_missing_pages_are_misses_in_a_mixed_batch(self, store: Store) -> None:
-        case = self._cases(store)[0]
-        rig = self._rig(store, case)
-        groups = random_groups(4)
-        written = self._write(store, rig, [groups[0], groups[2]], [0, 2])
-        pages, res = self._read(store, rig, groups, [8, 9, 10, 11])
-        assert res[0] == OK and res[2] == OK
-        assert res[1] == PageResult.MISS and res[3] == PageResult.MISS
-        assert rig.page_bytes(pages[0]) == rig.page_bytes(written[0])
-        assert rig.page_bytes(pages[2]) == rig.page_bytes(written[1])
+        """Never-stored pages are MISS (an OK for them is a phantom page), at their own positions."""
+        for case in self._cases(store):
+            rig = self._rig(store, case)
+            groups = random_groups(4)
+            written = self._write(store, rig, [groups[0], groups[2]], [0, 2])
+            pages, res = self._read(store, rig, groups, [8, 9, 10, 11])
+            assert res == [OK, PageResult.MISS, OK, PageResult.MISS], f"{case.id}: {res}"
+            assert rig.page_bytes(pages[0]) == rig.page_bytes(written[0])
+            assert rig.page_bytes(pages[2]) == rig.page_bytes(written[1])
+
+    def test_results_follow_the_order_of_the_request(self, store: Store) -> None:
+        for case in self._cases(store):
+            rig = self._rig(store, case)
+            groups = random_groups(6)
+            written = dict(zip(groups, self._write(store, rig, groups, list(range(6))), strict=True))
+            missing = random_groups(2)
+            order = [groups[4], missing[0], groups[0], groups[5], missing[1], groups[2], groups[1]]
+            pages, res = self._read(store, rig, order, [8, 9, 10, 11, 12, 13, 14])
+            want = [PageResult.MISS if g in missing else OK for g in order]
+            assert res == want, f"{case.id}: results {res} for the request order {want}"
+            for g, p in zip(order, pages, strict=True):
+                if g in written:
+                    assert rig.page_bytes(p) == rig.page_bytes(written[g]), f"{case.id}: bytes out of order"
 
     def test_wrong_size_destination_fails_only_that_page(self, store: Store) -> None:
-        case = next((c for c in self._cases(store) if not c.zero_copy), self._cases(store)[0])
-        rig = self._rig(store, case)
-        groups = random_groups(3)
-        written = self._write(store, rig, groups, [0, 1, 2])
-        reader = PoolRig(case, rig.namespace)
-        store.register_pool(reader.registration())
-        pages = reader.pages(groups, _slots([4, 5, 6]), fill=False)
-        short = torch.zeros(max(1, pages[1].nbytes // 2), dtype=torch.uint8)
-        bad = (Buffer(short.data_ptr(), short.numel(), short),)
-        pages[1] = Page(pages[1].key, pages[1].group, pages[1].namespace, bad)
-        res, _ = store.page_get([reader.transfer(pages)])
-        got = res[case.pool]
-        assert got[0] == OK and got[2] == OK, got
-        assert got[1] != OK, "a page whose destination has the wrong size must not be reported OK"
-        assert rig.page_bytes(pages[0]) == rig.page_bytes(written[0])
-        assert rig.page_bytes(pages[2]) == rig.page_bytes(written[2])
+        for case in self._cases(store):
+            rig = self._rig(store, case)
+            groups = random_groups(3)
+            written = self._write(store, rig, groups, [0, 1, 2])
+            for factor in (0.5, 2.0):
+                reader = PoolRig(case, rig.namespace)
+                store.register_pool(reader.registration())
+                pages = reader.pages(groups, _slots([4, 5, 6]), fill=False)
+                odd = torch.zeros(max(1, int(pages[1].nbytes * factor)), dtype=torch.uint8)
+                pages[1] = Page(pages[1].key, pages[1].group, pages[1].namespace,
+                                (Buffer(odd.data_ptr(), odd.numel(), odd),))
+                res, _ = store.page_get([reader.transfer(pages)])
+                raw = _results(raw_answers(store).last("page_get"), case.pool, 3, case.id)
+                assert raw[0] == OK and raw[2] == OK, f"{case.id}: {raw}"
+                assert raw[1] != OK, f"{case.id}: a destination of {odd.numel()} bytes for a " \
+                                     f"{rig.spec.page_nbytes}-byte page was answered OK"
+                assert res[case.pool][1] != OK
+                assert rig.page_bytes(pages[0]) == rig.page_bytes(written[0])
+                assert rig.page_bytes(pages[2]) == rig.page_bytes(written[2])
 
     def test_rewrite_of_a_stored_key_is_ok(self, store: Store) -> None:
         case = self._cases(store)[0]
@@ -292,26 +405,88 @@ class ConformanceSuite:
 
     # -- isolation ----------------------------------------------------------------------------------
     def test_keys_are_isolated_between_pools_ranks_and_namespaces(self, store: Store) -> None:
+        """Another model's, rank's, pool's or shape's page never comes back: the backend answers MISS."""
+        for case in self._cases(store):
+            rig = self._rig(store, case)
+            groups = random_groups(2)
+            self._write(store, rig, groups, [0, 1])
+            for ns in _other_namespaces(rig):
+                other = PoolRig(case, ns)
+                store.register_pool(other.registration())
+                res, _ = store.page_get([other.transfer(other.pages(groups, _slots([4, 5]), fill=False))])
+                raw = _results(raw_answers(store).last("page_get"), case.pool, 2, case.id)
+                assert raw == [PageResult.MISS] * 2, f"{case.id}: namespace {ns} got {raw} for another's pages"
+                assert all(r != OK for r in res[case.pool])
+
+    # -- deadlines and late calls --------------------------------------------------------------------
+    def test_a_call_past_its_deadline_returns_promptly(self, store: Store) -> None:
+        """Called with a deadline already passed, each hook returns within ``deadline_grace_s``
+        with results of the right shape (whatever they say), and the store works afterwards."""
+        for kind in sorted(store.capabilities.pools):
+            case = next(c for c in self._cases(store) if c.pool is kind)
+            rig = self._rig(store, case)
+            groups = random_groups(32)
+            pages = rig.pages(groups, _slots([i % NUM_PAGES for i in range(32)]), fill=True)
+            for hook in ("page_set", "page_get"):
+                transfers = attach_headers([rig.transfer(pages)], made=hook == "page_set")
+                t0 = time.monotonic()
+                answer = getattr(store.pm.hook, hook)(transfers=transfers, deadline=time.monotonic() - 1.0)
+                took = time.monotonic() - t0
+                assert took < self.deadline_grace_s, f"{case.id}: {hook} ran {took:.2f}s past its deadline"
+                _results(answer, case.pool, len(pages), case.id)
+            t0 = time.monotonic()
+            store.pm.hook.page_exists(queries={case.pool: [p.key for p in pages]}, deadline=time.monotonic() - 1.0)
+            assert time.monotonic() - t0 < self.deadline_grace_s
+            self._write(store, rig, groups[:2], [0, 1])
+            assert self._read(store, rig, groups[:2], [2, 3])[1] == [OK, OK]
+
+    def test_a_late_write_of_reused_memory_is_never_served(self, store: Store) -> None:
+        """A page_set held past its deadline, then run after the caller reused the memory: the
+        backend must store the core's header (made before the call), so the late bytes come back
+        as a miss or corrupt, never as the page."""
+        for case in self._cases(store):
+            rig = self._rig(store, case)
+            groups = random_groups(2)
+            pages = rig.pages(groups, _slots([0, 1]), fill=True)
+            before = [rig.page_bytes(p) for p in pages]
+            raw = raw_answers(store)
+            raw.gate = threading.Event()
+            try:
+                rep = store.call("page_set", [rig.transfer(pages)], timeout_s=0.05)
+                assert rep.outcome == "timeout"
+                for p in pages:  # the caller reuses the memory (never do this while released is pending)
+                    for b in p.buffers:
+                        v = b.view()
+                        v[:] = bytes(x ^ 0xA5 for x in v)
+            finally:
+                raw.gate.set()
+                raw.gate = None
+            rep.released.result(timeout=60)
+            got, res = self._read(store, rig, groups, [8, 9], strict=False)
+            for p, b, r in zip(got, before, res, strict=True):
+                assert r != OK or rig.page_bytes(p) == b, f"{case.id}: late bytes served as the page"
+
+    def test_buffers_are_untouched_once_a_call_has_let_go(self, store: Store) -> None:
         case = self._cases(store)[0]
         rig = self._rig(store, case)
-        groups = random_groups(2)
-        self._write(store, rig, groups, [0, 1])
-        others = [
-            namespace_for(rig.spec, model="another-model"),
-            namespace_for(rig.spec, tp_rank=1, tp_size=2),
-            namespace_for(make_spec(PoolKind.DRAFT if case.pool is PoolKind.KV else PoolKind.KV, case.attention,
-                                    case.layout)),
-            namespace_for(make_spec(case.pool, case.attention, case.layout, layers=3)),
-        ]
-        for ns in others:
-            if ns == rig.namespace:  # e.g. rank-neutral MLA
-                continue
-            keys = [make_key(g, ns) for g in groups]
-            assert store.page_exists({case.pool: keys}) == {case.pool: 0}
-            other = PoolRig(case, ns)
-            store.register_pool(other.registration())
-            res, _ = store.page_get([other.transfer(other.pages(groups, _slots([4, 5]), fill=False))])
-            assert all(r != OK for r in res[case.pool]), f"namespace {ns} saw another namespace's page"
+        groups = random_groups(4)
+        self._write(store, rig, groups, [0, 1, 2, 3])
+        reader = PoolRig(case, rig.namespace)
+        reader.pool.raw.zero_()
+        store.register_pool(reader.registration())
+        raw = raw_answers(store)
+        raw.gate = threading.Event()
+        try:
+            rep = store.call("page_get", [reader.transfer(reader.pages(groups, _slots([8, 9, 10, 11]), False))],
+                             timeout_s=0.05)
+            assert rep.outcome == "timeout" and all(r is PageResult.FAILED for r in rep.results[case.pool])
+        finally:
+            raw.gate.set()
+            raw.gate = None
+        rep.released.result(timeout=60)
+        snapshot = reader.pool.raw.clone()
+        time.sleep(0.2)
+        assert torch.equal(reader.pool.raw, snapshot), f"{case.id}: buffers written after the call returned"
 
     # -- persistence -------------------------------------------------------------------------------
     def test_fresh_instance_returns_stored_bytes_or_misses(
@@ -378,3 +553,28 @@ class ConformanceSuite:
             assert res == [OK] * 4
             for j, p in enumerate(pages):
                 assert rig.page_bytes(p) == rig.pool.page_bytes(_slots([4 * i + j])[0])
+
+
+def _other_namespaces(rig: PoolRig) -> list[str]:
+    """Namespaces that must never see ``rig``'s pages: another model, rank, pool and shape."""
+    case = rig.case
+    other_pool = PoolKind.DRAFT if case.pool is PoolKind.KV else PoolKind.KV
+    out = [
+        namespace_for(rig.spec, model="another-model"),
+        namespace_for(rig.spec, tp_rank=1, tp_size=2),
+        namespace_for(make_spec(other_pool, case.attention, case.layout)),
+        namespace_for(make_spec(case.pool, case.attention, case.layout, layers=3)),
+    ]
+    return [ns for ns in dict.fromkeys(out) if ns != rig.namespace]  # e.g. rank-neutral MLA
+
+
+def _results(answer: object, pool: PoolKind, n: int, what: str) -> list[PageResult]:
+    """The backend's own answer for ``pool``, checked for shape: a mapping to ``n`` results."""
+    assert isinstance(answer, Mapping), f"{what}: the backend answered {type(answer).__name__}, not a mapping"
+    got = answer.get(pool)
+    assert isinstance(got, Sequence) and len(got) == n, f"{what}: {n} results expected, got {got!r}"
+    out = []
+    for r in got:
+        assert isinstance(r, PageResult), f"{what}: results must be PageResult values, got {r!r}"
+        out.append(r)
+    return out

@@ -2,17 +2,20 @@
 pluggable storage, so that both caches come back after a restart.
 
 Public API for users and backend authors; plugins import only from here.
+
+Importing this package does not import torch (nor change any process-wide state): discovery,
+``check`` and configuration work where torch is absent. The names that make tensors
+(:class:`CacheController` and its results) are imported on first use.
 """
 
-import warnings
+from __future__ import annotations
 
-# torch warns at import when numpy is absent; hicache-draft never uses numpy, so the warning is noise.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+import importlib
+from typing import TYPE_CHECKING
 
 from hicache_draft.backend import BackendContext, NoOptions, StorageBackend
 from hicache_draft.capabilities import Attention, Capabilities, IOPath, Layout, PoolCapability, PoolKind
 from hicache_draft.config import Config, OnMiss, PrefetchPolicy, load_config
-from hicache_draft.controller import BackupResult, CacheController, Operation, PrefetchResult
 from hicache_draft.errors import (
     BackendSetupError,
     ConfigError,
@@ -43,9 +46,32 @@ from hicache_draft.plugins import (
 )
 from hicache_draft.pools import HostPool, PoolSpec
 from hicache_draft.store import Store
-from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration, count_prefix
+from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
+
+if TYPE_CHECKING:
+    from hicache_draft.controller import BackupResult, CacheController, Operation, PrefetchResult
 
 __version__ = "0.1.0"
+
+_LAZY = {n: "hicache_draft.controller" for n in ("BackupResult", "CacheController", "Operation", "PrefetchResult")}
+
+
+def __getattr__(name: str) -> object:
+    """The torch-touching names, imported when first asked for."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache_draft' has no attribute {name!r}")
+    from hicache_draft.pools import import_torch
+
+    import_torch()  # quietly, before the module that needs it
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "plan_paths",
@@ -88,7 +114,6 @@ __all__ = [
     "Store",
     "UnknownBackendError",
     "checksum",
-    "count_prefix",
     "discover_backends",
     "get_backend",
     "hookimpl",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -42,6 +43,8 @@ class StorageBackend:
     * ``Options``: a pydantic model for ``[backend_options]``; the default accepts none.
     * ``api_version``: the contract version you wrote against (required, no default: a backend
       written for an older contract must not silently claim a newer one).
+    * ``default``: ``True`` makes this the backend used when a config names none (the embedded
+      ``file`` backend sets it; two installed defaults are an error).
 
     The constructor receives the validated options and a :class:`BackendContext`. Raise
     :class:`~hicache_draft.BackendSetupError` with a message that names what to fix when the
@@ -51,10 +54,18 @@ class StorageBackend:
     api_version: ClassVar[int]
     capabilities: ClassVar[Capabilities]
     Options: ClassVar[type[BaseModel]] = NoOptions
+    default: ClassVar[bool] = False
 
     def __init__(self, options: BaseModel, context: BackendContext) -> None:
         self.options = options
         self.context = context
+
+    @classmethod
+    def scratch_options(cls, directory: Path) -> dict[str, Any] | None:
+        """``[backend_options]`` for a throwaway store kept under ``directory`` (an existing, empty
+        directory), for ``hicache-draft demo``; ``None`` (the default): this backend cannot make one
+        (the demo then needs its options from a config)."""
+        return None
 
     def check_registration(self, registration: PoolRegistration) -> None:
         """Raise ValueError unless the pool and its attention type are declared in ``capabilities``."""

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from hicache_draft.capabilities import IOPath, PoolKind
 from hicache_draft.config import Config, load_config
+from hicache_draft.demo.command import demo
 from hicache_draft.errors import ConfigError, HiCacheDraftError, PluginError
 from hicache_draft.paths import plan_paths
 from hicache_draft.plugins import discover_backends, get_backend
@@ -104,7 +105,8 @@ def backends(as_json: bool) -> None:
         table.add_column(col, overflow="fold")
     for r in rows:
         table.add_row(
-            str(r["name"]), str(r["distribution"] or "-"), str(r["version"] or "-"),
+            str(r["name"]) + (" (default)" if r["default"] else ""), str(r["distribution"] or "-"),
+            str(r["version"] or "-"),
             _caps_cell(r["capabilities"]),  # type: ignore[arg-type]
             f"[red]{r['error']}[/]" if r["error"] else "",
         )
@@ -117,10 +119,11 @@ def check_report(config: Config) -> dict[str, Any]:
     assert info.capabilities is not None and info.cls is not None
     from hicache_draft.store import validate_options
 
-    validate_options(config.backend, info.cls, config.backend_options)
+    validate_options(info.name, info.cls, config.backend_options)
     plan = plan_paths(config, info.capabilities)
     return {
-        "backend": config.backend,
+        "backend": info.name,
+        "backend_default": config.backend is None,
         "distribution": info.distribution,
         "capabilities": info.capabilities.summary(),
         "pools": {k.value: plan[k].as_dict() for k in PoolKind},
@@ -140,8 +143,9 @@ def check(config_path: str, as_json: bool) -> None:
         click.echo(json.dumps(report, indent=2))
         return
     console = Console()
+    chosen = ", the installed default" if report["backend_default"] else ""
     console.print(f"config [bold]{config_path}[/] is valid; backend [bold]{report['backend']}[/] "
-                  f"({report['distribution'] or 'in-process'})", soft_wrap=True)
+                  f"({report['distribution'] or 'in-process'}{chosen})", soft_wrap=True)
     table = Table(title="I/O path per pool")
     table.add_column("pool")
     table.add_column("path")
@@ -152,16 +156,7 @@ def check(config_path: str, as_json: bool) -> None:
     console.print(table)
 
 
-def _add_builtin_optional_commands() -> None:
-    """Commands whose modules may be absent in a trimmed install (the demo)."""
-    try:
-        from hicache_draft.demo.command import demo
-    except ImportError:  # pragma: no cover - the demo ships with the core
-        return
-    main.add_command(demo, "demo")
-
-
-_add_builtin_optional_commands()
+main.add_command(demo, "demo")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,9 +12,8 @@ import os
 import tomllib
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hicache_draft.capabilities import Attention, Layout
@@ -22,17 +21,15 @@ from hicache_draft.errors import ConfigError
 
 ENV_PREFIX = "HICACHE_DRAFT_"
 
-KV_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
-
 KvDtype = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"]
+"""KV dtypes by name (torch's names). Data only: torch is imported where tensors are made
+(:meth:`hicache_draft.PoolSpec.torch_dtype`), so loading a config never needs it."""
+
+KV_DTYPE_SIZES: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
+}
+"""Bytes per element of each :data:`KvDtype`."""
+assert set(KV_DTYPE_SIZES) == set(get_args(KvDtype))
 
 
 class OnMiss(StrEnum):
@@ -147,10 +144,31 @@ class DraftConfig(PoolShapeConfig):
         return self
 
 
+class MetricsConfig(_Strict):
+    """Metrics export (``[metrics]``). Prometheus needs the ``hicache-draft[prometheus]`` extra."""
+
+    prometheus_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="serve Prometheus metrics on this port (+ tp_rank, so each rank of a host has its own); "
+        "0 picks a free port; unset: no exporter",
+    )
+    prometheus_addr: str = Field(default="127.0.0.1", min_length=1, description="address the exporter binds")
+
+    def port_for(self, tp_rank: int) -> int | None:
+        """The port this rank serves on (``prometheus_port + tp_rank``; 0 stays 0), or None."""
+        if self.prometheus_port is None:
+            return None
+        return self.prometheus_port + tp_rank if self.prometheus_port else 0
+
+
 class Config(_Strict):
     """The whole configuration (the TOML file's top level)."""
 
-    backend: str = Field(default="file", min_length=1, description="entry-point name of the storage backend")
+    backend: str | None = Field(
+        default=None, min_length=1,
+        description="entry-point name of the storage backend; unset: the installed backend that declares itself "
+        "the default",
+    )
     backend_options: dict[str, Any] = Field(default_factory=dict, description="validated by the backend")
     namespace: NamespaceConfig
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -160,6 +178,7 @@ class Config(_Strict):
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = Field(default=2.0, gt=0, le=3600)
     batch_pages: int = Field(default=128, ge=1, le=4096, description="pages per batched storage call")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _cross(self) -> Config:

@@ -67,10 +67,6 @@ class Metrics:
                     c.read_failures += 1
             c.seconds += seconds
 
-    def record_misses(self, pool: PoolKind, n: int) -> None:
-        with self._lock:
-            self.pools[pool].misses += n
-
     def snapshot(self) -> dict[str, dict[str, float]]:
         with self._lock:
             return {p.value: asdict(c) for p, c in self.pools.items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hicache_draft.capabilities import Attention, Capabilities, IOPath, PoolKind
-from hicache_draft.config import KV_DTYPES, Config
+from hicache_draft.config import Config
 from hicache_draft.pools import PoolSpec
 
 
@@ -30,7 +30,7 @@ def pool_specs(config: Config) -> dict[PoolKind, PoolSpec]:
     specs = {
         PoolKind.KV: PoolSpec(
             kind=PoolKind.KV, attention=t.attention, layers=t.layers, page_size=ns.page_size,
-            dtype=KV_DTYPES[ns.kv_dtype], layout=t.layout, kv_heads=t.kv_heads or 0, head_dim=t.head_dim or 0,
+            dtype=ns.kv_dtype, layout=t.layout, kv_heads=t.kv_heads or 0, head_dim=t.head_dim or 0,
             latent_dim=t.latent_dim or 0,
         )
     }
@@ -38,7 +38,7 @@ def pool_specs(config: Config) -> dict[PoolKind, PoolSpec]:
     if d.enabled:
         specs[PoolKind.DRAFT] = PoolSpec(
             kind=PoolKind.DRAFT, attention=d.attention, layers=d.layers, page_size=ns.page_size,
-            dtype=KV_DTYPES[config.draft_dtype], layout=config.draft_layout, kv_heads=d.kv_heads or 0,
+            dtype=config.draft_dtype, layout=config.draft_layout, kv_heads=d.kv_heads or 0,
             head_dim=d.head_dim or 0, latent_dim=d.latent_dim or 0,
         )
     return specs

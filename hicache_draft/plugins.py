@@ -7,16 +7,25 @@ pluggy (hook names and argument names against :mod:`hicache_draft.hookspecs`), c
 plugin's name without breaking the others. It is idempotent, thread-safe, and cheap to call
 again in every process (TP workers each load it).
 
-Environment:
+Anything a plugin raises while it is imported or validated (``SystemExit`` included; only
+``KeyboardInterrupt`` passes) is that plugin's load error. Two distributions that publish the
+same entry-point name are both named in an error for that name, and neither is selected.
 
-* ``HICACHE_DRAFT_LOAD_PLUGINS``: comma-separated allow-list; when set, only these are loaded.
-* ``HICACHE_DRAFT_DISABLE_PLUGINS``: comma-separated block-list.
+Environment (entry-point names, comma-separated):
+
+* ``HICACHE_DRAFT_LOAD_PLUGINS``: allow-list; when set, only these are loaded.
+* ``HICACHE_DRAFT_DISABLE_PLUGINS``: block-list.
+
+With no backend configured, the one installed backend whose class sets ``default = True`` is
+selected (the embedded ``file`` backend does); none or several is an error that says what to do.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 
@@ -31,6 +40,9 @@ from hicache_draft.errors import PluginError, UnknownBackendError
 ENTRY_POINT_GROUP = "hicache_draft.backends"
 LOAD_ENV = "HICACHE_DRAFT_LOAD_PLUGINS"
 DISABLE_ENV = "HICACHE_DRAFT_DISABLE_PLUGINS"
+DEFAULT_DISTRIBUTION = "hicache-draft-file"
+"""What to install when no backend is configured and none declares itself the default (advice only:
+the default is whichever installed backend declares ``default = True``)."""
 
 
 @dataclass
@@ -43,16 +55,23 @@ class BackendInfo:
     cls: type[StorageBackend] | None = field(default=None, repr=False)
     capabilities: Capabilities | None = None
     error: str | None = None
+    default: bool = False
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.cls is not None
+
+    @property
+    def origin(self) -> str:
+        """``distribution version`` (or ``in-process``), for messages."""
+        return " ".join(p for p in (self.distribution, self.version) if p) or "in-process"
 
     def as_dict(self) -> dict[str, object]:
         return {
             "name": self.name,
             "distribution": self.distribution,
             "version": self.version,
+            "default": self.default,
             "capabilities": self.capabilities.summary() if self.capabilities else None,
             "error": self.error,
         }
@@ -120,38 +139,39 @@ class _Registry:
         self._extra: dict[str, BackendInfo] = {}
 
     def _load_entry_point(self, ep: EntryPoint) -> BackendInfo:
-        dist = getattr(ep, "dist", None)
-        info = BackendInfo(
-            name=ep.name,
-            distribution=dist.metadata["Name"] if dist is not None else None,
-            version=dist.version if dist is not None else None,
-        )
+        info = BackendInfo(name=ep.name, distribution=_dist_name(ep), version=_dist_version(ep))
+        step = "import"
         try:
             cls = ep.load()
-        except Exception as exc:  # a broken plugin must not break the others
-            info.error = f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}"
-            return info
-        try:
+            step = "validation"
             info.capabilities = validate_backend_class(ep.name, cls)
+            info.default = getattr(cls, "default", False) is True
             info.cls = cls
+        except KeyboardInterrupt:
+            raise
         except PluginError as exc:
             info.error = str(exc)
+        except BaseException as exc:  # SystemExit too: a broken plugin must not break the others
+            what = f"import of {ep.value!r}" if step == "import" else f"validation of {ep.value!r}"
+            info.error = f"{what} failed: {type(exc).__name__}: {exc}"
         return info
 
     def discover(self, refresh: bool = False) -> dict[str, BackendInfo]:
         with self._lock:
             if self._discovered is None or refresh:
                 allow, block = _env_list(LOAD_ENV), _env_list(DISABLE_ENV)
-                found: dict[str, BackendInfo] = {}
+                by_name: dict[str, list[EntryPoint]] = defaultdict(list)
                 for ep in entry_points(group=ENTRY_POINT_GROUP):
-                    if ep.name in found:
-                        continue
-                    if allow is not None and ep.name not in allow:
-                        continue
-                    if block is not None and ep.name in block:
-                        found[ep.name] = BackendInfo(name=ep.name, error=f"disabled by {DISABLE_ENV}")
-                        continue
-                    found[ep.name] = self._load_entry_point(ep)
+                    if allow is None or ep.name in allow:
+                        by_name[ep.name].append(ep)
+                found: dict[str, BackendInfo] = {}
+                for name, eps in by_name.items():
+                    if block is not None and name in block:
+                        found[name] = BackendInfo(name=name, error=f"disabled by {DISABLE_ENV}")
+                    elif len(eps) > 1:
+                        found[name] = _duplicate(name, eps)
+                    else:
+                        found[name] = self._load_entry_point(eps[0])
                 self._discovered = found
             merged = dict(self._discovered)
             merged.update(self._extra)
@@ -159,7 +179,10 @@ class _Registry:
 
     def register(self, name: str, cls: type[StorageBackend], distribution: str = "(in-process)") -> BackendInfo:
         caps = validate_backend_class(name, cls)
-        info = BackendInfo(name=name, distribution=distribution, version=None, cls=cls, capabilities=caps)
+        info = BackendInfo(
+            name=name, distribution=distribution, version=None, cls=cls, capabilities=caps,
+            default=getattr(cls, "default", False) is True,
+        )
         with self._lock:
             self._extra[name] = info
         return info
@@ -167,6 +190,28 @@ class _Registry:
     def unregister(self, name: str) -> None:
         with self._lock:
             self._extra.pop(name, None)
+
+
+def _dist_name(ep: EntryPoint) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return dist.metadata["Name"] if dist is not None else None
+
+
+def _dist_version(ep: EntryPoint) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return dist.version if dist is not None else None
+
+
+def _duplicate(name: str, eps: list[EntryPoint]) -> BackendInfo:
+    """Several distributions publish ``name``: refuse it, naming each (none is imported)."""
+    eps = sorted(eps, key=lambda ep: (_dist_name(ep) or "", ep.value))
+    who = [f"{_dist_name(ep) or '?'} {_dist_version(ep) or ''}".strip() + f" ({ep.value})" for ep in eps]
+    return BackendInfo(
+        name=name,
+        distribution=", ".join(_dist_name(ep) or "?" for ep in eps),
+        error=f"entry-point name {name!r} is published by {len(eps)} distributions: {'; '.join(who)}; "
+        "uninstall all but one",
+    )
 
 
 _registry = _Registry()
@@ -190,22 +235,47 @@ def unregister_backend(name: str) -> None:
     _registry.unregister(name)
 
 
-def get_backend(name: str) -> BackendInfo:
-    """The loadable backend called ``name``.
+def _installed(found: dict[str, BackendInfo]) -> str:
+    usable = sorted(n for n, i in found.items() if i.ok)
+    broken = sorted(n for n, i in found.items() if not i.ok)
+    listing = ", ".join(usable) if usable else "none"
+    return listing + (f" (installed but unusable: {', '.join(broken)})" if broken else "")
 
-    Raises :class:`UnknownBackendError` (listing the installed ones) or :class:`PluginError`
-    (with the plugin's load or validation error).
+
+def get_backend(name: str | None = None) -> BackendInfo:
+    """The loadable backend called ``name``; with ``None``, the installed default backend.
+
+    Raises :class:`UnknownBackendError` (listing the installed ones and suggesting the closest
+    name), or :class:`PluginError` (the plugin's load or validation error, a name published by
+    several distributions, or several defaults).
     """
     found = discover_backends()
+    if name is None:
+        return _default_backend(found)
     info = found.get(name)
     if info is None:
-        usable = sorted(n for n, i in found.items() if i.ok)
-        listing = ", ".join(usable) if usable else "none"
+        close = difflib.get_close_matches(name, list(found), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UnknownBackendError(
-            f"unknown backend {name!r}; installed backends: {listing} "
-            f"(install a plugin distribution, e.g. 'pip install hicache-draft-{name}')",
-            field="backend",
+            f"unknown backend {name!r}{hint}; installed backends: {_installed(found)}", field="backend"
         )
     if not info.ok:
         raise PluginError(f"backend {name!r} is installed but unusable: {info.error}")
     return info
+
+
+def _default_backend(found: dict[str, BackendInfo]) -> BackendInfo:
+    defaults = sorted((i for i in found.values() if i.ok and i.default), key=lambda i: i.name)
+    if len(defaults) == 1:
+        return defaults[0]
+    if defaults:
+        named = ", ".join(f"{i.name!r} ({i.origin})" for i in defaults)
+        raise PluginError(
+            f"no backend is configured and {len(defaults)} installed backends declare themselves the default: "
+            f"{named}; set `backend` to one of them"
+        )
+    raise UnknownBackendError(
+        "no backend is configured and no installed backend declares itself the default; install the embedded "
+        f"default (pip install {DEFAULT_DISTRIBUTION}) or set `backend` (installed backends: {_installed(found)})",
+        field="backend",
+    )

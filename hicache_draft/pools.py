@@ -28,34 +28,63 @@ of ``page_size``; the draft pool is indexed by the target pool's slots.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from functools import cached_property
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from hicache_draft.capabilities import Attention, Layout, PoolKind
-from hicache_draft.config import KV_DTYPES
+from hicache_draft.config import KV_DTYPE_SIZES
 from hicache_draft.transfer import Buffer
 
-Allocator = Callable[[int], torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+Allocator = Callable[[int], "torch.Tensor"]
 """Returns a 1-D ``uint8`` CPU tensor of at least the given number of bytes (e.g. shared memory)."""
+
+
+def import_torch() -> ModuleType:
+    """``import torch``, without the warning torch prints when NumPy is absent (hicache-draft never
+    uses NumPy). The filter is scoped to this import; call it where tensors are about to be made."""
+    loaded = sys.modules.get("torch")
+    if loaded is not None:
+        return loaded
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+        import torch
+
+    return torch
+
+
+def dtype_name(dtype: object) -> str:
+    """Our name of a dtype, given a name or a ``torch.dtype`` (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """The shape of one host pool."""
+    """The shape of one host pool.
+
+    ``dtype`` is a dtype name (``"bfloat16"``, ...): the spec is data, usable without torch. A
+    ``torch.dtype`` is accepted and stored by its name; :attr:`torch_dtype` gives the torch dtype.
+    """
 
     kind: PoolKind
     attention: Attention
     layers: int
     page_size: int
-    dtype: torch.dtype
+    dtype: str
     layout: Layout
     kv_heads: int = 0
     head_dim: int = 0
     latent_dim: int = 0
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if self.attention is Attention.MHA and (self.kv_heads < 1 or self.head_dim < 1):
             raise ValueError("an MHA pool needs kv_heads >= 1 and head_dim >= 1")
         if self.attention is Attention.MLA:
@@ -64,13 +93,18 @@ class PoolSpec:
             if self.layout is Layout.PAGE_HEAD:
                 raise ValueError("layout 'page_head' is MHA-only")
 
-    @classmethod
-    def from_dtype_name(cls, dtype: str, **kw: object) -> PoolSpec:
-        return cls(dtype=KV_DTYPES[dtype], **kw)  # type: ignore[arg-type]
+    @cached_property
+    def torch_dtype(self) -> torch.dtype:
+        """The ``torch.dtype`` called :attr:`dtype` (imports torch)."""
+        dtype = getattr(import_torch(), self.dtype, None)
+        if dtype is None or not hasattr(dtype, "itemsize"):
+            raise ValueError(f"{self.dtype!r} is not a torch dtype")
+        return dtype
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        size = KV_DTYPE_SIZES.get(self.dtype)
+        return size if size is not None else self.torch_dtype.itemsize
 
     @property
     def token_nbytes(self) -> int:
@@ -110,6 +144,7 @@ class HostPool:
         self.num_pages = num_pages
         self.slots = num_pages * spec.page_size
         nbytes = self.slots * spec.token_nbytes
+        torch = import_torch()
         if allocator is not None:
             raw = allocator(nbytes)
             if raw.dtype != torch.uint8 or raw.device.type != "cpu" or raw.numel() < nbytes:
@@ -119,7 +154,7 @@ class HostPool:
             want_pin = torch.cuda.is_available() if pin is None else pin
             raw = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=bool(want_pin and torch.cuda.is_available()))
         self.raw = raw
-        self.buffer = raw.view(spec.dtype).view(self._shape())
+        self.buffer = raw.view(spec.torch_dtype).view(self._shape())
 
     @classmethod
     def wrap(cls, spec: PoolSpec, buffer: torch.Tensor) -> HostPool:
@@ -129,7 +164,8 @@ class HostPool:
         live on a GPU: such a pool has the same page geometry (for region-by-region copies between
         device and host pools) but no :meth:`page_buffers`.
         """
-        if not buffer.is_contiguous() or buffer.dtype != spec.dtype:
+        torch = import_torch()
+        if not buffer.is_contiguous() or buffer.dtype != spec.torch_dtype:
             raise ValueError("wrapped buffer must be a contiguous tensor of the spec's dtype")
         per_page = spec.page_nbytes
         nbytes = buffer.numel() * buffer.element_size()
@@ -249,15 +285,16 @@ class HostPool:
     def copy_page_out(self, slot: int, out: torch.Tensor, part: int = 0, split: int = 1) -> None:
         """Copy the page (part) into ``out``, a 1-D uint8 tensor of ``part_nbytes(split)``."""
         view = self.part_view(slot, part, split)
-        out.view(self.spec.dtype).view(view.shape).copy_(view)
+        out.view(self.spec.torch_dtype).view(view.shape).copy_(view)
 
     def copy_page_in(self, slot: int, src: torch.Tensor, part: int = 0, split: int = 1) -> None:
         """Copy ``src`` (1-D uint8, as produced by :meth:`copy_page_out`) into the page (part)."""
         view = self.part_view(slot, part, split)
-        view.copy_(src.view(self.spec.dtype).view(view.shape))
+        view.copy_(src.view(self.spec.torch_dtype).view(view.shape))
 
     def page_bytes(self, slot: int, part: int = 0, split: int = 1) -> bytes:
         """The page's (part's) stored bytes, as a new ``bytes`` (tests and debugging)."""
+        torch = import_torch()
         out = torch.empty(self.part_nbytes(split), dtype=torch.uint8)
         self.copy_page_out(slot, out, part, split)
         return bytes(Buffer(out.data_ptr(), out.numel(), owner=out).view())

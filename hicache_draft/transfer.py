@@ -113,12 +113,3 @@ class PageResult(IntEnum):
     CORRUPT = 2  # stored bytes failed validation; never returned as data
     FAILED = 3  # I/O, transport or timeout failure
 
-
-def count_prefix(results: Sequence[PageResult]) -> int:
-    """How many leading results are ``OK``."""
-    n = 0
-    for r in results:
-        if r != PageResult.OK:
-            break
-        n += 1
-    return n

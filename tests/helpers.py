@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import secrets
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,3 +70,33 @@ def tokens(n_pages: int, seed: int = 0) -> list[int]:
 
 def slots(indices: list[int] | range) -> list[int]:
     return [i * PS for i in indices]
+
+
+def fake_distribution(
+    where: Path, name: str, entry_points: dict[str, dict[str, str]], modules: dict[str, str], version: str = "1.0"
+) -> None:
+    """Write an installed distribution (``NAME-VERSION.dist-info`` with ``METADATA`` and
+    ``entry_points.txt``) and its modules into ``where``, a directory to put on ``sys.path``:
+    importlib.metadata then finds real entry points with a real ``dist``."""
+    info = where / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines = []
+    for group, eps in entry_points.items():
+        lines.append(f"[{group}]")
+        lines += [f"{k} = {v}" for k, v in eps.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    for module, source in modules.items():
+        (where / f"{module}.py").write_text(textwrap.dedent(source))
+
+
+BLOCK_TORCH = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"torch is blocked in this test ({name})")
+        return None
+sys.meta_path.insert(0, _NoTorch())
+"""
+"""Prepend to a ``python -c`` script: any import of torch then raises ImportError."""

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from hicache_draft.cli import main
 from hicache_draft.plugins import register_backend, unregister_backend
 from hicache_draft.testing import MemoryBackend
+from tests.helpers import BLOCK_TORCH
 
 CONFIG = """
 backend = "memory"
@@ -97,3 +98,44 @@ def test_installed_script_runs_without_traceback(tmp_path):
     proc = subprocess.run([str(exe), "check", str(cfg)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "invalid config" in proc.stderr
+
+
+LIGHT = BLOCK_TORCH + """
+import json
+from click.testing import CliRunner
+import hicache_draft
+from hicache_draft import load_config
+from hicache_draft.cli import main
+cfg = load_config(sys.argv[1], environ={})
+backends = CliRunner().invoke(main, ["backends", "--json"])
+check = CliRunner().invoke(main, ["check", sys.argv[1], "--json"])
+helps = [CliRunner().invoke(main, [group, "--help"]).exit_code for group in ("file", "mooncake", "demo")]
+print(json.dumps({
+    "torch_loaded": "torch" in sys.modules, "backend": cfg.backend, "helps": helps,
+    "backends": [backends.exit_code, json.loads(backends.stdout)],
+    "check": [check.exit_code, json.loads(check.stdout) if check.exit_code == 0 else check.output],
+}))
+"""
+
+
+def test_discovery_check_and_config_need_no_torch(tmp_path):
+    """Where torch cannot be imported, ``backends``, ``check``, config loading and the plugins' command
+    groups still work: none of them touches a tensor."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[backend_options]\nroot = "/var/cache/x"\n[namespace]\nmodel = "m"\ndraft_model = "d"\n'
+                   '[target]\nkv_heads = 2\nhead_dim = 8\n[draft]\nkv_heads = 1\nhead_dim = 8\n')
+    proc = subprocess.run([sys.executable, "-c", LIGHT, str(cfg)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["torch_loaded"] is False and out["backend"] is None
+    code, rows = out["backends"]
+    assert code == 0
+    file = next(r for r in rows if r["name"] == "file")
+    assert file["error"] is None and file["default"] is True
+    code, report = out["check"]
+    assert code == 0, report
+    assert report["backend"] == "file" and report["backend_default"] is True
+    assert report["pools"]["kv"]["path"] == "zero_copy" and report["pools"]["draft"]["path"] == "zero_copy"
+    assert out["helps"] == [0, 0, 0]
+    torch_probe = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import torch"], capture_output=True, timeout=60)
+    assert torch_probe.returncode != 0  # the block itself works

@@ -33,7 +33,7 @@ def report(tmp_path_factory):
 def test_both_pairs_are_reported(report):
     assert [p["attention"] for p in report["pairs"]] == ["mha", "mla"]
     assert report["backend"] == "file"
-    assert not report["storage_root_temporary"]
+    assert not report["temporary_store"]
     assert any(report["_root"].iterdir()), "the file backend wrote nothing under the given root"
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
+from pydantic import BaseModel
 
 from hicache_draft.capabilities import Attention
 from hicache_draft.cli import main
 from hicache_draft.demo.pairs import identity, make_pair, make_prompt, pair_config
 from hicache_draft.demo.phases import Job, Phase
 from hicache_draft.demo.runner import DemoError, DemoOptions, base_config, run_job
+from hicache_draft.plugins import register_backend, unregister_backend
+from hicache_draft.testing import MemoryBackend
 
 
 def test_unknown_backend_is_named():
@@ -36,19 +39,42 @@ def test_impossible_sizes_are_refused(change, message):
         DemoOptions(**change).validate()
 
 
-def test_default_backend_gets_a_scratch_root_and_root_overrides(tmp_path):
-    base = base_config(DemoOptions(environ={}), tmp_path / "scratch")
-    assert base["backend"] == "file"
-    assert base["backend_options"] == {"root": str(tmp_path / "scratch")}
-    given = base_config(DemoOptions(root=str(tmp_path / "mine"), environ={}), tmp_path / "scratch")
+def test_default_backend_gets_its_scratch_options_and_root_overrides(tmp_path):
+    base, temporary = base_config(DemoOptions(environ={}), tmp_path / "scratch")
+    assert base["backend"] == "file"  # the installed default, found by discovery
+    assert base["backend_options"] == {"root": str(tmp_path / "scratch")}  # asked of the backend
+    assert temporary
+    given, temporary = base_config(DemoOptions(root=str(tmp_path / "mine"), environ={}), tmp_path / "scratch")
     assert given["backend_options"]["root"] == str(tmp_path / "mine")
+    assert not temporary
 
 
 def test_environment_overrides_reach_the_demo(tmp_path):
     env = {"HICACHE_DRAFT_TIMEOUT_S": "7", "HICACHE_DRAFT_BACKEND_OPTIONS__ROOT": str(tmp_path / "env")}
-    base = base_config(DemoOptions(environ=env), tmp_path / "scratch")
+    base, temporary = base_config(DemoOptions(environ=env), tmp_path / "scratch")
     assert base["timeout_s"] == 7
     assert base["backend_options"]["root"] == str(tmp_path / "env")
+    assert not temporary
+
+
+class _NoScratch(MemoryBackend):
+    """A backend that cannot make a throwaway store (the base class's answer), whatever its fields."""
+
+    class Options(BaseModel):
+        root: str  # a field called root is no longer a reason to guess
+
+
+def test_the_demo_asks_the_backend_and_does_not_guess_from_a_root_field(tmp_path):
+    register_backend("noscratch", _NoScratch)
+    try:
+        with pytest.raises(DemoError, match=r"'noscratch' offers no scratch options"):
+            base_config(DemoOptions(backend="noscratch", environ={}), tmp_path / "scratch")
+        cfg = tmp_path / "c.toml"
+        cfg.write_text('backend = "noscratch"\n[backend_options]\nroot = "/given"\n')
+        base, temporary = base_config(DemoOptions(config_path=str(cfg), environ={}), tmp_path / "scratch")
+        assert base["backend_options"] == {"root": "/given"} and not temporary
+    finally:
+        unregister_backend("noscratch")
 
 
 def test_pair_config_carries_model_identity_and_shapes():

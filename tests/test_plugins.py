@@ -7,6 +7,7 @@ from importlib.metadata import EntryPoint
 from typing import ClassVar
 
 import pytest
+from click.testing import CliRunner
 
 import hicache_draft.plugins as plugins_mod
 from hicache_draft import (
@@ -28,8 +29,10 @@ from hicache_draft import (
     register_backend,
     unregister_backend,
 )
+from hicache_draft.cli import main as cli_main
 from hicache_draft.metrics import CallTimer
 from hicache_draft.testing import MemoryBackend
+from tests.helpers import fake_distribution
 
 CAPS = Capabilities(pools={PoolKind.KV: PoolCapability(attention=frozenset({Attention.MHA}))})
 
@@ -214,3 +217,128 @@ def test_backend_exceptions_and_bad_results_become_failures():
             assert store.page_set([PageTransfer(PoolKind.KV, [page])]) == {PoolKind.KV: [PageResult.FAILED]}
     finally:
         unregister_backend("raising")
+
+
+# -- real entry points of throwaway distributions ---------------------------------------------------
+
+GOOD_MODULE = """
+from hicache_draft.testing.memory import MemoryBackend
+
+class Good(MemoryBackend):
+    pass
+"""
+
+DEFAULT_MODULE = """
+from typing import ClassVar
+from hicache_draft.testing.memory import MemoryBackend
+
+class Default(MemoryBackend):
+    default: ClassVar[bool] = True
+"""
+
+
+@pytest.fixture
+def dists(tmp_path, monkeypatch):
+    """Write throwaway installed distributions onto a fresh ``sys.path`` entry; discovery refreshed."""
+    import sys
+
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    written: list[str] = []
+
+    def add(name, eps, modules):
+        fake_distribution(root, name, {plugins_mod.ENTRY_POINT_GROUP: eps}, modules)
+        written.extend(modules)
+
+    yield add
+    monkeypatch.undo()
+    for module in written:
+        sys.modules.pop(module, None)
+    discover_backends(refresh=True)
+
+
+def test_a_plugin_that_raises_anything_at_import_or_validation_breaks_only_itself(dists, tmp_path):
+    dists("hicache-draft-exits", {"exits": "hcd_exits:Backend"}, {"hcd_exits": "raise SystemExit(3)\n"})
+    dists("hicache-draft-cancels", {"cancels": "hcd_cancels:Backend"},
+          {"hcd_cancels": "import asyncio\nraise asyncio.CancelledError()\n"})
+    dists("hicache-draft-exits-late", {"exitslate": "hcd_exits_late:Backend"}, {"hcd_exits_late": """
+        from hicache_draft.testing.memory import MemoryBackend
+
+        class _Meta(type):
+            @property
+            def capabilities(cls):
+                raise SystemExit("validation exits")
+
+        class Backend(MemoryBackend, metaclass=_Meta):
+            pass
+    """})
+    dists("hicache-draft-good", {"good": "hcd_good:Good"}, {"hcd_good": GOOD_MODULE})
+    found = discover_backends(refresh=True)
+    assert "SystemExit" in found["exits"].error and "import of 'hcd_exits:Backend'" in found["exits"].error
+    assert "CancelledError" in found["cancels"].error
+    assert "SystemExit: validation exits" in found["exitslate"].error
+    assert found["good"].ok and found["file"].ok
+    res = CliRunner().invoke(cli_main, ["backends", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["name"]: r for r in json.loads(res.stdout)}
+    assert rows["exits"]["distribution"] == "hicache-draft-exits" and "SystemExit" in rows["exits"]["error"]
+    assert rows["good"]["error"] is None
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('backend = "good"\n[backend_options]\nspace = "x"\n[namespace]\nmodel = "m"\n'
+                   '[target]\nkv_heads = 1\nhead_dim = 8\n')
+    assert CliRunner().invoke(cli_main, ["check", str(cfg)]).exit_code == 0
+    with Store.open("good", {"space": "exits"}) as store:
+        assert store.page_exists({PoolKind.KV: ["a.b"]}) == {PoolKind.KV: 0}
+    with pytest.raises(PluginError, match="SystemExit"):
+        Store.open("exits")
+
+
+def test_a_name_published_by_two_distributions_is_refused_naming_both(dists):
+    dists("hicache-draft-dup-one", {"dup": "hcd_dup_one:Good"}, {"hcd_dup_one": GOOD_MODULE})
+    dists("hicache-draft-dup-two", {"dup": "hcd_dup_two:Good"}, {"hcd_dup_two": GOOD_MODULE})
+    info = discover_backends(refresh=True)["dup"]
+    assert not info.ok
+    for who in ("hicache-draft-dup-one 1.0 (hcd_dup_one:Good)", "hicache-draft-dup-two 1.0 (hcd_dup_two:Good)"):
+        assert who in info.error
+    with pytest.raises(PluginError, match=r"(?s)'dup'.*hicache-draft-dup-one.*hicache-draft-dup-two"):
+        get_backend("dup")
+    rows = {r["name"]: r for r in json.loads(CliRunner().invoke(cli_main, ["backends", "--json"]).stdout)}
+    assert "2 distributions" in rows["dup"]["error"]
+
+
+def test_unknown_backend_suggests_the_closest_installed_name_and_invents_no_package():
+    register_backend("memory", MemoryBackend)
+    try:
+        with pytest.raises(UnknownBackendError) as err:
+            get_backend("memroy")
+        msg = str(err.value)
+        assert "did you mean 'memory'?" in msg and "installed backends:" in msg and "file" in msg
+        assert "pip install" not in msg and "hicache-draft-memroy" not in msg
+        with pytest.raises(UnknownBackendError) as far:
+            get_backend("zzzzzz")
+        assert "did you mean" not in str(far.value) and "pip install" not in str(far.value)
+    finally:
+        unregister_backend("memory")
+
+
+def test_the_default_backend_is_the_one_that_declares_itself_default(dists, monkeypatch):
+    assert get_backend().name == "file"  # the file plugin declares itself; the core names no backend
+    dists("hicache-draft-other-default", {"otherdefault": "hcd_other_default:Default"},
+          {"hcd_other_default": DEFAULT_MODULE})
+    dists("hicache-draft-good", {"good": "hcd_good:Good"}, {"hcd_good": GOOD_MODULE})
+    monkeypatch.setenv("HICACHE_DRAFT_DISABLE_PLUGINS", "file")
+    discover_backends(refresh=True)
+    assert get_backend().name == "otherdefault"
+    with Store.open(None, {"space": "default"}) as store:
+        assert store.name == "otherdefault"
+    monkeypatch.delenv("HICACHE_DRAFT_DISABLE_PLUGINS")
+    discover_backends(refresh=True)
+    both = r"2 installed backends declare themselves the default: 'file' \(hicache-draft-file [^)]*\), "
+    with pytest.raises(PluginError, match=both + r"'otherdefault' \(hicache-draft-other-default"):
+        get_backend()
+    monkeypatch.setenv("HICACHE_DRAFT_LOAD_PLUGINS", "good")
+    discover_backends(refresh=True)
+    with pytest.raises(UnknownBackendError, match=r"no installed backend declares itself the default; install "
+                                                  r"the embedded default \(pip install hicache-draft-file\)"):
+        get_backend()

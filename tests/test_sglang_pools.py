@@ -85,7 +85,7 @@ def test_spec_reads_sglang_attributes():
     assert (mha.kind, mha.attention, mha.layers, mha.kv_heads, mha.head_dim, mha.layout) == (
         PoolKind.DRAFT, Attention.MHA, 5, 2, 8, Layout.PAGE_FIRST_DIRECT)
     mla = host_pool_spec(make_pool("mla", "layer_first", layers=2), PoolKind.KV)
-    assert (mla.attention, mla.latent_dim, mla.layers, mla.dtype) == (Attention.MLA, 16, 2, torch.bfloat16)
+    assert (mla.attention, mla.latent_dim, mla.layers, mla.torch_dtype) == (Attention.MLA, 16, 2, torch.bfloat16)
 
 
 def test_spec_refuses_what_it_cannot_hold():

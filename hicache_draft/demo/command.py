@@ -1,27 +1,28 @@
-"""``hicache-draft demo``: speculative decoding across a restart, with and without draft offload."""
+"""``hicache-draft demo``: speculative decoding across a restart, with and without draft offload.
+
+This module imports nothing heavy: the models, torch and the runner load when the command runs.
+"""
 
 from __future__ import annotations
 
 import json
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from hicache_draft.capabilities import Attention
-from hicache_draft.demo.phases import Phase
-from hicache_draft.demo.report import render, render_metrics
-from hicache_draft.demo.runner import PHASES, DemoOptions, run_demo
 from hicache_draft.errors import ConfigError, HiCacheDraftError, PluginError
 
-_PHASE_NAMES = {Phase.FIRST: "run 1", Phase.AFTER_RESTART: "restart", Phase.CONTROL: "control"}
+_PHASE_NAMES = {"first": "run 1", "after_restart": "restart", "control_no_draft": "control"}
 
 
 @click.command("demo")
-@click.option("--backend", default=None, help="Storage backend (entry-point name). Default: the config's, else 'file'.")
+@click.option("--backend", default=None,
+              help="Storage backend (entry-point name). Default: the config's, else the installed default backend.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="A hicache-draft config file (TOML/JSON): backend, options, timeouts, layouts are used.")
-@click.option("--root", default=None, help="backend_options.root (default for 'file': a temporary directory).")
+@click.option("--root", default=None, type=click.Path(file_okay=False),
+              help="Keep the demo's store in this directory (the backend's scratch options for it). "
+              "Default: a temporary directory.")
 @click.option("--pair", "pairs", type=click.Choice([a.value for a in Attention]), multiple=True,
               help="Run only these pairs (repeatable). Default: mha and mla.")
 @click.option("--prompt-tokens", type=click.IntRange(min=4), default=1000, show_default=True)
@@ -49,6 +50,16 @@ def demo(
     prefills a long prompt, decodes and backs up target and draft pages; a new process restores
     them and decodes again; a control restart has draft offload off. Each run is its own process.
     """
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from hicache_draft.pools import import_torch
+
+    import_torch()  # quietly, before the modules that need it
+    from hicache_draft.demo.phases import Phase
+    from hicache_draft.demo.report import render, render_metrics
+    from hicache_draft.demo.runner import PHASES, DemoOptions, run_demo
+
     opts = DemoOptions(
         backend=backend, config_path=config_path, root=root,
         pairs=tuple(Attention(p) for p in pairs) or (Attention.MHA, Attention.MLA),
@@ -64,7 +75,7 @@ def demo(
             task = progress.add_task("starting", total=len(opts.pairs) * len(PHASES))
 
             def on_step(attention: Attention, phase: Phase, step: str) -> None:
-                label = f"[bold]{attention.value}[/] {_PHASE_NAMES[phase]}: {step}"
+                label = f"[bold]{attention.value}[/] {_PHASE_NAMES[phase.value]}: {step}"
                 progress.update(task, description=label, advance=1 if step == "done" else 0)
 
             report = run_demo(opts, on_step)

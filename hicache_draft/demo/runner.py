@@ -65,25 +65,39 @@ class DemoOptions:
             raise DemoError("--seed must be >= 0")
 
 
-def base_config(opts: DemoOptions, scratch: Path) -> dict[str, Any]:
-    """The user's config (file + environment) with ``--backend``/``--root`` applied, and a scratch
-    root for a backend whose options need a ``root`` that nobody gave."""
+def base_config(opts: DemoOptions, scratch: Path) -> tuple[dict[str, Any], bool]:
+    """The user's config (file + environment) with ``--backend`` / ``--root`` applied, and whether
+    its store is temporary (lives in ``scratch``).
+
+    The backend is asked for its scratch options (:meth:`~hicache_draft.StorageBackend.scratch_options`)
+    for ``--root`` or, without it, for ``scratch`` (a temporary directory): the user's options win over
+    the scratch ones, ``--root``'s win over the user's. A backend that offers none runs only on the
+    options its config gives.
+    """
     data: dict[str, Any] = read_config_file(opts.config_path) if opts.config_path else {}
     data = apply_env(data, opts.environ)
-    backend = opts.backend or data.get("backend") or "file"
-    options = dict(data.get("backend_options") or {})
-    if opts.backend and opts.backend != data.get("backend", "file"):
-        options = {}  # options written for another backend
-    if opts.root is not None:
-        options["root"] = opts.root
-    info = get_backend(backend)
+    written_for = data.get("backend")  # None: the installed default
+    info = get_backend(opts.backend or written_for)
     assert info.cls is not None
-    fields = info.cls.Options.model_fields
-    if "root" in fields and "root" not in options:
-        options["root"] = str(scratch)
-    data["backend"] = backend
+    user = dict(data.get("backend_options") or {})
+    if opts.backend and opts.backend != written_for and not (written_for is None and info.default):
+        user = {}  # options written for another backend
+    where = Path(opts.root) if opts.root is not None else scratch
+    offered = info.cls.scratch_options(where)
+    if offered is None:
+        if opts.root is not None or not user:
+            raise DemoError(
+                f"backend {info.name!r} offers no scratch options for the demo (StorageBackend.scratch_options); "
+                "give its [backend_options] in a --config file"
+            )
+        options, temporary = user, False
+    elif opts.root is not None:
+        options, temporary = {**user, **offered}, False
+    else:
+        options, temporary = {**offered, **user}, any(k not in user for k in offered)
+    data["backend"] = info.name
     data["backend_options"] = options
-    return data
+    return data, temporary
 
 
 def run_job(job: Job, timeout_s: float, on_step: Callable[[str], None]) -> dict[str, Any]:
@@ -160,7 +174,7 @@ def run_demo(opts: DemoOptions, on_step: OnStep | None = None) -> dict[str, Any]
     step = on_step or (lambda _a, _p, _s: None)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hicache-draft-demo-") as scratch:
-        base = base_config(opts, Path(scratch))
+        base, temporary = base_config(opts, Path(scratch))
         page_size = opts.page_size or int((base.get("namespace") or {}).get("page_size") or 16)
         info = get_backend(base["backend"])
         assert info.capabilities is not None
@@ -195,7 +209,7 @@ def run_demo(opts: DemoOptions, on_step: OnStep | None = None) -> dict[str, Any]
             "backend": base["backend"],
             "backend_options": base["backend_options"],
             "persistent": info.capabilities.persistent,
-            "storage_root_temporary": base["backend_options"].get("root") == scratch,
+            "temporary_store": temporary,
             "page_size": page_size,
             "prompt_tokens": opts.prompt_tokens,
             "period": opts.period,

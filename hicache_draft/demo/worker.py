@@ -8,10 +8,12 @@ import json
 import sys
 from typing import Any
 
-import torch
+from hicache_draft.pools import import_torch
 
-from hicache_draft.demo.phases import Job, run_phase
-from hicache_draft.errors import HiCacheDraftError
+torch = import_torch()  # quietly, before the modules that need it
+
+from hicache_draft.demo.phases import Job, run_phase  # noqa: E402
+from hicache_draft.errors import HiCacheDraftError  # noqa: E402
 
 
 def _emit(doc: dict[str, Any]) -> None:

@@ -485,7 +485,7 @@ class HiCacheDraftStorage(HiCacheStorage):
                 continue
             view = self._view(split_generic_key(key)[0])
             targets.append(
-                torch.empty(view.spec.page_nbytes // view.spec.itemsize, dtype=view.spec.dtype) if view else None
+                torch.empty(view.spec.page_nbytes // view.spec.itemsize, dtype=view.spec.torch_dtype) if view else None
             )
         jobs, positions = self._flat_jobs(keys, targets)
         got: list[torch.Tensor | None] = [None] * len(keys)

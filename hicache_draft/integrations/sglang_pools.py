@@ -20,20 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache_draft.capabilities import Attention, Capabilities, IOPath, Layout, PoolKind
-from hicache_draft.config import KV_DTYPES
 from hicache_draft.errors import ConfigError
 from hicache_draft.integrations.sglang_config import LegacyDraftPool, Placement
 from hicache_draft.keys import pool_identities
 from hicache_draft.paths import PathChoice, choose_path
-from hicache_draft.pools import HostPool, PoolSpec
+from hicache_draft.pools import HostPool, PoolSpec, dtype_name
 from hicache_draft.transfer import Buffer
-
-_DTYPE_NAMES = {v: k for k, v in KV_DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Our name of a KV dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def host_pool_spec(host_pool: object, kind: PoolKind) -> PoolSpec:
@@ -79,7 +71,7 @@ def legacy_draft_spec(shape: LegacyDraftPool, target: PoolSpec) -> PoolSpec:
     layout = shape.layout or target.layout
     if shape.attention is Attention.MLA and layout is Layout.PAGE_HEAD:
         layout = Layout.PAGE_FIRST_DIRECT
-    dtype = KV_DTYPES[shape.kv_dtype] if shape.kv_dtype else target.dtype
+    dtype = shape.kv_dtype or target.dtype
     return PoolSpec(
         kind=PoolKind.DRAFT, attention=shape.attention, layers=shape.layers, page_size=target.page_size,
         dtype=dtype, layout=layout, kv_heads=shape.kv_heads or 0, head_dim=shape.head_dim or 0,
@@ -198,5 +190,5 @@ class PoolView:
                 f"flat {self.kind.value} page of {flat.numel() * flat.element_size()} bytes, "
                 f"expected {self.spec.page_nbytes}"
             )
-        raw = flat.contiguous().view(-1).view(torch.uint8).view(self.spec.dtype)
+        raw = flat.contiguous().view(-1).view(torch.uint8).view(self.spec.torch_dtype)
         return HostPool.wrap(self.spec, raw)

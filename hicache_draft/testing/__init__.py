@@ -1,10 +1,23 @@
-"""The conformance kit for storage backends (a pytest plugin) and test helpers.
+"""The conformance kit for storage backends, and test helpers.
 
 Backend authors: subclass :class:`ConformanceSuite` and provide a ``backend_factory`` fixture.
+The kit's pytest plugin is opt-in (like pytest's own ``pytester``): load it with
+``pytest_plugins = ["hicache_draft.testing.plugin"]`` in a ``conftest.py``, or ``-p hicache_draft.testing.plugin``.
 """
 
-from hicache_draft.testing.memory import Faults, MemoryBackend
-from hicache_draft.testing.suite import Case, ConformanceSuite, PoolRig, declared_cases, make_spec, namespace_for
+from hicache_draft.pools import import_torch
+
+import_torch()  # quietly, before the modules that need it
+
+from hicache_draft.testing.memory import Faults, MemoryBackend  # noqa: E402
+from hicache_draft.testing.suite import (  # noqa: E402
+    Case,
+    ConformanceSuite,
+    PoolRig,
+    declared_cases,
+    make_spec,
+    namespace_for,
+)
 
 __all__ = [
     "Case",

@@ -1,4 +1,7 @@
-"""pytest plugin (entry point ``pytest11: hicache_draft``): fixtures for backend authors.
+"""pytest plugin for backend authors, opt-in like pytest's ``pytester``: load it with
+``pytest_plugins = ["hicache_draft.testing.plugin"]`` in your ``conftest.py`` or with
+``pytest -p hicache_draft.testing.plugin``. It is not registered through ``pytest11``, so the
+pytest runs of other projects in the same environment never load it.
 
 ``hicache_memory_store``: a :class:`~hicache_draft.Store` over the in-memory test backend, with
 its fault injector reset before and after the test.

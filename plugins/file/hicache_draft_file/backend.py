@@ -966,6 +966,10 @@ class FileBackend(StorageBackend):
         files of dead processes, reclaim dead writers' temp files."""
         with self._root_lock(exclusive=True):
             self._finish_intent()
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(JOURNAL_FILE, dir_fd=self.dirs.root_fd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):  # a link or anything else: set aside, a new one is made
+                    self.dirs.unsafe_entry(self.dirs.root_fd, JOURNAL_FILE, self.layout.journal, "not a regular file")
             try:
                 entries = os.listdir(self.dirs.root_fd)
             except OSError:

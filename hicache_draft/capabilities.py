@@ -76,7 +76,8 @@ class Capabilities(BaseModel):
     ``split_heads``: it stores the head groups of an MHA page under their own keys, so that servers
     with different ``tp_size`` and one ``tp_lcm_size`` share pages.
     ``persistent``: its data survives a restart of the serving process.
-    ``shared``: several processes (TP ranks, servers) may use one store at once.
+    ``shared``: several processes (TP ranks, servers) may use one store at once. Off unless
+    declared: claiming it is the backend's promise, not a default.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -84,7 +85,7 @@ class Capabilities(BaseModel):
     pools: dict[PoolKind, PoolCapability] = Field(min_length=1)
     split_heads: bool = False
     persistent: bool = False
-    shared: bool = True
+    shared: bool = False
 
     @field_validator("pools")
     @classmethod

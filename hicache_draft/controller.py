@@ -34,7 +34,7 @@ from hicache_draft.capabilities import Attention, IOPath, PoolKind
 from hicache_draft.config import Config, OnMiss, PrefetchPolicy
 from hicache_draft.errors import BackendSetupError
 from hicache_draft.keys import make_key, page_hashes, pool_identities
-from hicache_draft.metrics import Metrics
+from hicache_draft.metrics import Metrics, config_observers
 from hicache_draft.paths import PathChoice, plan_paths, pool_specs
 from hicache_draft.pools import Allocator, HostPool, PoolSpec
 from hicache_draft.store import CallReport, Store
@@ -198,6 +198,11 @@ class CacheController:
             state = _PoolState(spec, host, self.plan[kind], [i.fingerprint() for i in idents], split, writer)
             self._pools[kind] = state
         self._register_pools()
+        if par.tp_size > 1 and not store.capabilities.shared:
+            log.warning(
+                "backend %r does not declare shared = true, yet %d TP ranks use it; "
+                "each rank needs a store of its own", store.name, par.tp_size,
+            )
         if config.draft.enabled and not self._pools[PoolKind.DRAFT].active:
             log.warning(
                 "draft KV offload disabled for backend %r: %s; restored pages will be reported draft-cold",
@@ -217,11 +222,12 @@ class CacheController:
         allocator: Allocator | None = None,
         process_group: Any = None,  # noqa: ANN401
     ) -> CacheController:
-        """Open the configured backend and build the host pools."""
+        """Open the configured backend and build the host pools. The observers ``config.metrics``
+        asks for (a Prometheus exporter: :func:`hicache_draft.metrics.config_observers`) join ``observers``."""
         ctx = BackendContext(
             tp_rank=config.parallel.tp_rank, tp_size=config.parallel.tp_size, timeout_s=config.timeout_s
         )
-        store = Store.open(config.backend, config.backend_options, ctx, observers)
+        store = Store.open(config.backend, config.backend_options, ctx, [*observers, *config_observers(config)])
         try:
             return cls(config, store, num_pages, allocator=allocator, process_group=process_group)
         except BaseException:

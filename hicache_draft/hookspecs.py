@@ -24,7 +24,7 @@ Rules every backend keeps:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import pluggy
 
@@ -63,13 +63,20 @@ def page_set(transfers: Sequence[PageTransfer], deadline: float) -> Mapping[Pool
 
 
 @hookspec(firstresult=True)
-def page_get(transfers: Sequence[PageTransfer], deadline: float) -> Mapping[PoolKind, Sequence[PageResult]]:
+def page_get(
+    transfers: Sequence[PageTransfer], deadline: float, finished: Callable[[PoolKind, Iterable[int]], None]
+) -> Mapping[PoolKind, Sequence[PageResult]]:
     """Load pages into the given buffers, which the backend fills completely, and each page's
     stored 64-byte header into ``page.header``.
 
     Return one result per page: ``OK`` (header and buffers hold exactly the stored bytes), ``MISS``,
     ``CORRUPT`` (stored data failed validation; leave it unreturned) or ``FAILED``. The core
     verifies every ``OK`` page against its header; one that does not match counts as ``CORRUPT``.
+
+    ``finished(pool, indices)`` (optional to use): tell the core that those pages of ``pool``'s
+    transfer hold their final header and bytes, so it verifies them while you read the rest
+    (verification then costs little more than the last pages). After it, as after returning, do
+    not write those pages' buffers again. Only the results you return decide what counts.
     A page whose result is not ``OK`` may have buffers partly written; the controller treats
     them as garbage. Once ``page_get`` has returned, it must not touch the buffers again.
     """

@@ -143,13 +143,21 @@ class Store:
 
     def _call(self, hook: str, kwargs: dict[str, Any], deadline: float) -> tuple[str, Any, Future[Any]]:
         """Run a hook bounded by the timeout: ("ok", result, fut) | ("error", exc, fut) | ("timeout", None, fut)."""
+        started = self._start(hook, kwargs)
+        if isinstance(started, BaseException):
+            return "error", started, _DONE
+        return self._wait(started, deadline)
+
+    def _start(self, hook: str, kwargs: dict[str, Any]) -> Future[Any] | BaseException:
         if self._closed:
-            return "error", RuntimeError("store is closed"), _DONE
-        caller = getattr(self.pm.hook, hook)
+            return RuntimeError("store is closed")
         try:
-            fut = self._pool.submit(caller, **kwargs)
+            return self._pool.submit(getattr(self.pm.hook, hook), **kwargs)
         except RuntimeError as exc:  # executor shut down
-            return "error", exc, _DONE
+            return exc
+
+    @staticmethod
+    def _wait(fut: Future[Any], deadline: float) -> tuple[str, Any, Future[Any]]:
         try:
             return "ok", fut.result(timeout=max(0.0, deadline - time.monotonic())), fut
         except FutureTimeout:
@@ -194,27 +202,46 @@ class Store:
     def _per_page_call(
         self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None
     ) -> tuple[str, dict[PoolKind, list[PageResult]], Future[Any]]:
-        failed = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         if not any(t.pages for t in transfers):
             return "ok", {t.pool: [] for t in transfers}, _DONE
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         transfers = attach_headers(transfers, made=hook == "page_set")
-        status, value, fut = self._call(hook, {"transfers": transfers, "deadline": deadline}, deadline)
+        out = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
+        kwargs: dict[str, Any] = {"transfers": transfers, "deadline": deadline}
+        early: _EarlyVerifier | None = None
+        if hook == "page_get":
+            early = _EarlyVerifier(self, transfers)
+            kwargs["finished"] = early.finished
+        status, value, fut = self._call(hook, kwargs, deadline)
+        got = self._results(hook, status, value, transfers)
+        if got is None:
+            if early is not None:
+                early.abandon()
+            return status if status != "ok" else "error", out, fut
+        if early is not None:
+            early.settle(got)
+        return "ok", got, fut
+
+    def _results(
+        self, hook: str, status: str, value: Any, transfers: Sequence[PageTransfer]  # noqa: ANN401
+    ) -> dict[PoolKind, list[PageResult]] | None:
+        """The backend's answer as per-page results, or None (logged once) when the call timed out,
+        raised or answered something that is not a mapping of pool to results."""
         if status == "timeout":
             self._log_once(f"{hook}:timeout", "backend %r: %s timed out; pages counted as failed", self.name, hook)
-            return "timeout", failed, fut
+            return None
         if status == "error":
             self._log_once(
                 f"{hook}:error", "backend %r: %s raised %s: %s; pages counted as failed",
                 self.name, hook, type(value).__name__, value,
             )
-            return "error", failed, fut
+            return None
         if not isinstance(value, Mapping):
             self._log_once(
                 f"{hook}:shape", "backend %r: %s returned %s, not a mapping of pool to results; "
                 "pages counted as failed", self.name, hook, type(value).__name__,
             )
-            return "error", failed, fut
+            return None
         out: dict[PoolKind, list[PageResult]] = {}
         for t in transfers:
             got = value.get(t.pool)
@@ -226,28 +253,27 @@ class Store:
                 out[t.pool] = [PageResult.FAILED] * len(t.pages)
                 continue
             out[t.pool] = [_as_result(r) for r in got]
-        if hook == "page_get":
-            self._verify(transfers, out)
-        return "ok", out, fut
+        return out
 
-    def _verify(self, transfers: Sequence[PageTransfer], out: dict[PoolKind, list[PageResult]]) -> None:
-        """Check every page reported OK against its header, its key and the bytes in its buffers."""
-        todo = [
-            (t.pool, i, page) for t in transfers for i, page in enumerate(t.pages) if out[t.pool][i] is PageResult.OK
-        ]
-        if not todo:
-            return
+    def _verifiers(self) -> ThreadPoolExecutor:
+        if self._verify_pool is None:
+            with self._lock:
+                if self._verify_pool is None:
+                    self._verify_pool = ThreadPoolExecutor(_VERIFY_WORKERS, thread_name_prefix="hicache-draft-verify")
+        return self._verify_pool
+
+    def _check(self, todo: Sequence[tuple[PoolKind, int, Page]]) -> list[tuple[PoolKind, int, Page, PageFormatError]]:
+        """Verify pages now, spread over the verifier threads when there are many bytes."""
         total = sum(p.nbytes for _, _, p in todo)
         workers = min(_VERIFY_WORKERS, max(1, total // _VERIFY_CHUNK_BYTES))
-        if workers > 1:
-            if self._verify_pool is None:
-                with self._lock:
-                    if self._verify_pool is None:
-                        self._verify_pool = ThreadPoolExecutor(workers, thread_name_prefix="hicache-draft-verify")
-            chunks = [todo[w::workers] for w in range(workers)]
-            problems = [p for f in [self._verify_pool.submit(_problems, c) for c in chunks] for p in f.result()]
-        else:
-            problems = _problems(todo)
+        if workers <= 1:
+            return _problems(todo)
+        pool = self._verifiers()
+        return [p for f in [pool.submit(_problems, todo[w::workers]) for w in range(workers)] for p in f.result()]
+
+    def _mark(
+        self, problems: Iterable[tuple[PoolKind, int, Page, PageFormatError]], out: dict[PoolKind, list[PageResult]]
+    ) -> None:
         for pool, i, page, exc in problems:
             out[pool][i] = PageResult.CORRUPT
             with self._lock:
@@ -361,7 +387,7 @@ class Store:
         self.close()
 
 
-_VERIFY_CHUNK_BYTES = 16 << 20  # below this per worker, one thread verifies (xxh3 releases the GIL above ~ KiBs)
+_VERIFY_CHUNK_BYTES = 16 << 20  # below this per worker, one thread verifies
 _VERIFY_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
@@ -388,6 +414,66 @@ def attach_headers(transfers: Sequence[PageTransfer], made: bool) -> list[PageTr
             at += HEADER_SIZE
         out.append(dataclasses.replace(t, pages=with_h))
     return out
+
+
+class _EarlyVerifier:
+    """The core's verification of one ``page_get``, started early where the backend says a page is
+    final (the ``finished`` argument), so that checking overlaps the reading of the rest.
+
+    It trusts ``finished`` exactly as far as the core trusts a return: after it (or after
+    returning) the backend must not write the page's buffers again. What is checked, and what
+    counts, is still decided here: pages the backend did not announce are checked after the call,
+    and only pages the backend finally reports ``OK`` can count as restored."""
+
+    def __init__(self, store: Store, transfers: Sequence[PageTransfer]) -> None:
+        self.store = store
+        self.pages = {t.pool: t.pages for t in transfers}
+        self.started: dict[tuple[PoolKind, int], Future[list[Any]]] = {}
+        self.lock = threading.Lock()
+        self.open = True
+
+    def finished(self, pool: PoolKind, indices: Iterable[int]) -> None:
+        """Pages ``indices`` of ``pool``'s transfer hold their final header and bytes."""
+        pages = self.pages.get(pool)
+        if pages is None:
+            return
+        todo = []
+        with self.lock:
+            if not self.open:
+                return
+            for i in indices:
+                if 0 <= i < len(pages) and (pool, i) not in self.started:
+                    todo.append((pool, i, pages[i]))
+            if not todo:
+                return
+            fut = self.store._verifiers().submit(_problems, todo)
+            for _, i, _ in todo:
+                self.started[(pool, i)] = fut
+
+    def abandon(self) -> None:
+        with self.lock:
+            self.open = False
+
+    def settle(self, out: dict[PoolKind, list[PageResult]]) -> None:
+        """Verify what was not verified early and mark every failure ``CORRUPT`` in ``out``."""
+        with self.lock:
+            self.open = False
+            started = dict(self.started)
+        later = []
+        early: dict[int, Future[list[Any]]] = {}
+        for pool, pages in self.pages.items():
+            for i, page in enumerate(pages):
+                if out[pool][i] is not PageResult.OK:
+                    continue
+                fut = started.get((pool, i))
+                if fut is None:
+                    later.append((pool, i, page))
+                else:
+                    early[id(fut)] = fut
+        problems = self.store._check(later) if later else []
+        for fut in early.values():
+            problems.extend(p for p in fut.result() if out[p[0]][p[1]] is PageResult.OK)
+        self.store._mark(problems, out)
 
 
 def _problems(todo: Sequence[tuple[PoolKind, int, Page]]) -> list[tuple[PoolKind, int, Page, PageFormatError]]:

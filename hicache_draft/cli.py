@@ -1,4 +1,4 @@
-"""The ``hicache-draft`` command: backends, check, demo, and commands contributed by plugins.
+"""The ``hicache-draft`` command: backends, check, stats, demo, and commands contributed by plugins.
 
 Exit codes: 0 ok, 2 bad input (config, unknown backend), 1 any other failure.
 Plugins add subcommands through the entry-point group ``hicache_draft.commands`` (a click
@@ -154,6 +154,79 @@ def check(config_path: str, as_json: bool) -> None:
     for pool, choice in report["pools"].items():
         table.add_row(pool, f"[{colors[choice['path']]}]{choice['path']}[/]", choice["reason"])
     console.print(table)
+
+
+@main.command()
+@click.argument("target")
+@click.option("--backend", "backend_name", default=None,
+              help="For a store root: the backend that owns it (default: the installed default backend).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds to wait for an exporter.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def stats(ctx: click.Context, target: str, backend_name: str | None, timeout_s: float, as_json: bool) -> None:
+    """Statistics of a running exporter or of a store.
+
+    TARGET is a Prometheus exporter's URL (http://HOST:PORT/metrics, e.g. a server's
+    [metrics] prometheus_port): it is scraped and its counters and latencies shown per backend,
+    pool and hook. Otherwise TARGET is a store root, and the backend's own `stats` command answers
+    (a plugin offers one as `hicache-draft BACKEND stats ROOT [--json]`, e.g. `hicache-draft file stats`).
+    """
+    if target.startswith(("http://", "https://")):
+        _scrape_stats(target, timeout_s, as_json)
+        return
+    info = get_backend(backend_name)
+    group = main.get_command(ctx, info.name)
+    sub = group.get_command(ctx, "stats") if isinstance(group, click.Group) else None
+    if sub is None:
+        raise click.ClickException(
+            f"backend {info.name!r} ({info.origin}) offers no stats command for a store root "
+            f"(`hicache-draft {info.name} stats ROOT`); scrape a running exporter's URL instead"
+        )
+    with sub.make_context(f"hicache-draft {info.name} stats", [target, *(["--json"] if as_json else [])],
+                          parent=ctx) as sub_ctx:
+        sub.invoke(sub_ctx)
+
+
+def _scrape_stats(url: str, timeout_s: float, as_json: bool) -> None:
+    try:
+        from hicache_draft.prometheus import quantile_bound, scrape
+    except ImportError as exc:
+        raise click.ClickException(f"reading an exporter needs prometheus-client ({exc}); "
+                                   "pip install 'hicache-draft[prometheus]'") from None
+    try:
+        summary = scrape(url, timeout_s)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot read metrics from {url}: {exc}") from None
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    console = Console()
+    if not summary["pools"] and not summary["hooks"]:
+        console.print(f"{url} serves no hicache-draft series yet (no storage call has finished)", soft_wrap=True)
+        return
+    pools = Table(title=f"pages per backend and pool ({url})")
+    pools.add_column("counter")
+    for row in summary["pools"]:
+        pools.add_column(f"{row['backend']} {row['pool']}", justify="right")
+    names = ["written_pages", "written_bytes", "read_pages", "read_bytes", "corrupt"]
+    for name in names:
+        pools.add_row(name, *(str(row[name]) for row in summary["pools"]))
+    for name in ("hits", "misses", "failures", "timeouts"):
+        for hook in sorted({h for row in summary["pools"] for h in row[name]}):
+            pools.add_row(f"{name} ({hook})", *(str(row[name].get(hook, 0)) for row in summary["pools"]))
+    console.print(pools)
+    calls = Table(title="calls per backend and hook")
+    for col in ("backend", "hook", "ok", "timeout", "error", "mean ms", "p99 <= ms"):
+        calls.add_column(col, justify="left" if col in ("backend", "hook") else "right")
+    for row in summary["hooks"]:
+        mean, p99 = row["mean_seconds"], quantile_bound(row["buckets"], 0.99)
+        calls.add_row(
+            row["backend"], row["hook"], *(str(row["calls"].get(o, 0)) for o in ("ok", "timeout", "error")),
+            f"{mean * 1e3:.3f}" if mean is not None else "-",
+            ("inf" if p99 == float("inf") else f"{p99 * 1e3:g}") if p99 is not None else "-",
+        )
+    console.print(calls)
 
 
 main.add_command(demo, "demo")

@@ -4,6 +4,8 @@
 returns plain dicts (JSON-ready). :class:`CallTimer` is an example observer: a pluggy plugin with
 ``wrapper=True`` hookimpls that sees every ``page_set``/``page_get``/``page_exists`` call without the
 backend knowing. Pass observers to :meth:`hicache_draft.Store.open` (or the controller).
+:func:`config_observers` gives the observers a config's ``[metrics]`` asks for (the Prometheus
+exporter of :mod:`hicache_draft.prometheus`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from rich.table import Table
 
 from hicache_draft.capabilities import PoolKind
+from hicache_draft.config import Config
+from hicache_draft.errors import ConfigError
 from hicache_draft.hookspecs import hookimpl
 from hicache_draft.transfer import PageResult, PageTransfer
 
@@ -126,3 +130,27 @@ class CallTimer:
             return (yield)
         finally:
             self._note("page_exists", started, sum(len(k) for k in queries.values()))
+
+
+def config_observers(config: Config) -> list[object]:
+    """The observers ``config.metrics`` asks for: with ``prometheus_port`` set, a
+    :class:`~hicache_draft.prometheus.PrometheusObserver` on the global registry, served on
+    ``prometheus_addr:prometheus_port + tp_rank`` (started once per process). :class:`ConfigError`
+    naming the field when prometheus-client is missing or the port cannot be served."""
+    port = config.metrics.port_for(config.parallel.tp_rank)
+    if port is None:
+        return []
+    try:
+        from hicache_draft.prometheus import PrometheusObserver, serve
+    except ImportError as exc:
+        raise ConfigError(
+            f"metrics.prometheus_port needs prometheus-client ({exc}); pip install 'hicache-draft[prometheus]'",
+            field="metrics.prometheus_port",
+        ) from None
+    addr = config.metrics.prometheus_addr
+    try:
+        serve(port, addr)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"metrics.prometheus_port: cannot serve on {addr}:{port}: {exc}",
+                          field="metrics.prometheus_port") from None
+    return [PrometheusObserver()]

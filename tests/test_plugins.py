@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from importlib.metadata import EntryPoint
 from typing import ClassVar
 
@@ -342,3 +344,44 @@ def test_the_default_backend_is_the_one_that_declares_itself_default(dists, monk
     with pytest.raises(UnknownBackendError, match=r"no installed backend declares itself the default; install "
                                                   r"the embedded default \(pip install hicache-draft-file\)"):
         get_backend()
+
+
+PROBE = '''
+import sys
+
+def test_nothing_of_the_kit_is_loaded(request):
+    loaded = sorted(m for m in sys.modules if m.startswith("hicache_draft.testing"))
+    names = [n for n, p in request.config.pluginmanager.list_name_plugin()
+             if n == "hicache_draft" or "hicache_draft.testing" in str(getattr(p, "__name__", n))]
+    assert not loaded and not names, (loaded, names)
+'''
+
+USES_KIT = '''
+from hicache_draft import PoolKind
+
+def test_fixture_of_the_kit(hicache_memory_store):
+    assert hicache_memory_store.page_exists({PoolKind.KV: ["a.b"]}) == {PoolKind.KV: 0}
+'''
+
+
+def _pytest(where, *args):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=where, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_the_kit_is_opt_in_like_pytester(tmp_path):
+    """A pytest run of another project in this environment loads none of the kit; asking for it
+    (``-p`` or ``pytest_plugins``) gives its fixtures."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "pytest.ini").write_text("[pytest]\n")
+    (other / "test_probe.py").write_text(PROBE)
+    (other / "test_uses_kit.py").write_text(USES_KIT)
+    code, out = _pytest(other, "test_probe.py", "test_uses_kit.py")
+    assert code != 0 and "1 passed" in out and "fixture 'hicache_memory_store' not found" in out, out
+    code, out = _pytest(other, "-p", "hicache_draft.testing.plugin", "test_uses_kit.py")
+    assert code == 0, out
+    (other / "conftest.py").write_text('pytest_plugins = ["hicache_draft.testing.plugin"]\n')
+    code, out = _pytest(other, "test_uses_kit.py")
+    assert code == 0, out

@@ -385,3 +385,28 @@ def test_the_kit_is_opt_in_like_pytester(tmp_path):
     (other / "conftest.py").write_text('pytest_plugins = ["hicache_draft.testing.plugin"]\n')
     code, out = _pytest(other, "test_uses_kit.py")
     assert code == 0, out
+
+
+def test_every_hook_is_documented_in_the_readme_with_its_arguments():
+    """In the style of datasette's hook documentation test: the README's hook table names every
+    hookspec of the contract, each with exactly its arguments, in order."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from hicache_draft import hookspecs
+
+    specs = {
+        name: list(inspect.signature(fn).parameters)
+        for name, fn in vars(hookspecs).items()
+        if inspect.isfunction(fn) and hasattr(fn, f"{hookspecs.PROJECT}_spec")
+    }
+    assert {"page_set", "page_get", "page_exists", "host_memory", "call_done"} <= set(specs)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("| hook | what it does |"):]
+    table = table[: table.index("\n\n")]
+    documented = {
+        m.group(1): [a.strip() for a in m.group(2).split(",") if a.strip()]
+        for m in re.finditer(r"^\| `(\w+)\(([^)]*)\)` \|", table, flags=re.M)
+    }
+    assert documented == specs

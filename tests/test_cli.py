@@ -139,3 +139,13 @@ def test_discovery_check_and_config_need_no_torch(tmp_path):
     assert out["helps"] == [0, 0, 0]
     torch_probe = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import torch"], capture_output=True, timeout=60)
     assert torch_probe.returncode != 0  # the block itself works
+
+
+def test_stats_of_a_root_asks_the_backends_own_command(memory_backend, tmp_path):
+    res = CliRunner().invoke(main, ["stats", str(tmp_path), "--backend", "memory"])
+    assert res.exit_code == 1 and "backend 'memory' (test-dist) offers no stats command" in res.output
+    res = CliRunner().invoke(main, ["stats", str(tmp_path / "none"), "--backend", "memroy"])
+    assert res.exit_code == 2 and "did you mean 'memory'?" in res.output
+    res = CliRunner().invoke(main, ["stats", "http://127.0.0.1:1/metrics", "--timeout", "2"])
+    assert res.exit_code == 1 and "cannot read metrics from http://127.0.0.1:1/metrics" in res.output
+    assert "file (default)" in CliRunner().invoke(main, ["backends"]).output

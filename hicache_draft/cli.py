@@ -47,8 +47,11 @@ class _Group(click.Group):
                 continue
             try:
                 cmd = ep.load()
-            except Exception as exc:  # one broken plugin must not break the CLI
-                _err.print(f"[yellow]warning:[/] commands of plugin {ep.name!r} failed to load: {exc}", soft_wrap=True)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # SystemExit too: one broken plugin must not break the CLI
+                _err.print(f"[yellow]warning:[/] commands of plugin {ep.name!r} failed to load: "
+                           f"{type(exc).__name__}: {exc}", soft_wrap=True, markup=True, highlight=False)
                 continue
             if isinstance(cmd, click.Command):
                 self.add_command(cmd, ep.name)

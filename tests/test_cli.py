@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from click.testing import CliRunner
 from hicache_draft.cli import main
 from hicache_draft.plugins import register_backend, unregister_backend
 from hicache_draft.testing import MemoryBackend
-from tests.helpers import BLOCK_TORCH
+from tests.helpers import BLOCK_TORCH, fake_distribution
 
 CONFIG = """
 backend = "memory"
@@ -149,3 +150,15 @@ def test_stats_of_a_root_asks_the_backends_own_command(memory_backend, tmp_path)
     res = CliRunner().invoke(main, ["stats", "http://127.0.0.1:1/metrics", "--timeout", "2"])
     assert res.exit_code == 1 and "cannot read metrics from http://127.0.0.1:1/metrics" in res.output
     assert "file (default)" in CliRunner().invoke(main, ["backends"]).output
+
+
+def test_a_plugin_whose_commands_exit_at_import_does_not_break_the_cli(tmp_path):
+    site = tmp_path / "site"
+    fake_distribution(site, "hicache-draft-exits-cli", {"hicache_draft.commands": {"exits": "hcd_exits_cli:group"}},
+                      {"hcd_exits_cli": "raise SystemExit(4)\n"})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "hicache_draft.cli", "backends", "--json"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "commands of plugin 'exits' failed to load: SystemExit: 4" in proc.stderr
+    assert any(r["name"] == "file" for r in json.loads(proc.stdout))

@@ -162,3 +162,19 @@ def test_a_plugin_whose_commands_exit_at_import_does_not_break_the_cli(tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "commands of plugin 'exits' failed to load: SystemExit: 4" in proc.stderr
     assert any(r["name"] == "file" for r in json.loads(proc.stdout))
+
+
+def test_importing_the_package_changes_no_process_wide_state():
+    script = (
+        "import sys, warnings\n"
+        "before = list(warnings.filters)\n"
+        "import hicache_draft\n"
+        "assert 'torch' not in sys.modules\n"
+        "from hicache_draft import CacheController\n"  # imports torch, quietly, without a lasting filter
+        "assert 'torch' in sys.modules and CacheController.__name__ == 'CacheController'\n"
+        "assert warnings.filters == before, [f for f in warnings.filters if f not in before]\n"
+    )
+    proc = subprocess.run([sys.executable, "-W", "default", "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Failed to initialize NumPy" not in proc.stderr

@@ -789,10 +789,13 @@ class FileBackend(StorageBackend):
         gone: list[str] = []
         for d, group in by_dir.items():
             with self.dirs.fan(d, create=False) as fd:
+                if fd < 0:
+                    gone.extend(seg.name for seg in group)
+                    continue
                 for seg in group:
                     try:
                         st = os.stat(seg.name + SEGMENT_SUFFIX, dir_fd=fd, follow_symlinks=False)
-                    except (FileNotFoundError, ValueError):
+                    except FileNotFoundError:
                         gone.append(seg.name)
                         continue
                     except OSError:
@@ -922,7 +925,7 @@ class FileBackend(StorageBackend):
     def _read_intent(self) -> set[str]:
         """The segments an unfinished eviction removes (empty when none, or not readable)."""
         try:
-            fd, st = self.dirs.open_file(self.dirs.root_fd, INTENT_FILE, os.O_RDONLY, single=False)
+            fd, st = self.dirs.open_file(self.dirs.root_fd, INTENT_FILE, os.O_RDONLY, single=True)
         except FileNotFoundError:
             return set()
         except OSError as exc:

@@ -857,17 +857,21 @@ class FileBackend(StorageBackend):
         except OSError as exc:  # the files still go: readers then miss the pages (never a torn group)
             self._log_once(f"journal:{exc.errno}", "file backend: cannot append to the journal: %s", exc)
 
+    def _free_files(self) -> int:
+        """Files waiting in free/ (``recycle_files`` when it cannot be listed: none are added)."""
+        try:
+            with os.scandir(self.dirs.free) as it:
+                return sum(1 for e in it if e.name.endswith(".free"))
+        except OSError:
+            return self.opts.recycle_files
+
     def _remove_files(
         self, names: list[str], quarantine: str | None, recycle: bool, segs: Mapping[str, Segment]
     ) -> None:
         """The files of removed segments: to free/ (up to ``recycle_files``), quarantine/, or
         unlinked. A name that no longer holds the file that was loaded (``segs``) is not ours any
         more: a link or anything else there is quarantined, never followed."""
-        try:
-            with os.scandir(self.dirs.free) as it:
-                free_now = sum(1 for e in it if e.name.endswith(".free"))
-        except OSError:
-            free_now = self.opts.recycle_files
+        free_now = self._free_files()
         for name in names:
             fname = name + SEGMENT_SUFFIX
             with self.dirs.fan(fanout_dir(name), create=False) as d:
@@ -996,11 +1000,7 @@ class FileBackend(StorageBackend):
                 entries = [e.name for e in it]
         except OSError:
             return
-        try:
-            with os.scandir(self.dirs.free) as it:
-                free_now = sum(1 for e in it if e.name.endswith(".free"))
-        except OSError:
-            free_now = self.opts.recycle_files
+        free_now = self._free_files()
         for name in entries:
             m = _TMP_RE.fullmatch(name)
             dead = m is not None and not pid_alive(int(m.group(2) or m.group(4)))

@@ -64,6 +64,7 @@ class RootDirs:
         self.unsafe = 0  # entries found unsafe and ignored or quarantined
         self._reported: set[str] = set()
         self._fds: dict[str, int] = {}
+        self._retired: list[int] = []
         for name in TOP_DIRS:
             self._fds[name] = self._open_dir(root_fd, name, self.layout.root / name)
 
@@ -95,8 +96,8 @@ class RootDirs:
                 same = False
             if not same:
                 self.report(f"replaced:{name}", f"{self.layout.root / name} was replaced; reopened")
-                if fd >= 0:
-                    os.close(fd)
+                if fd >= 0:  # another thread may be using it: closed with the store, never reused before
+                    self._retired.append(fd)
                 self._fds[name] = self._open_dir(self.root_fd, name, self.layout.root / name)
 
     def _open_dir(self, parent: int, name: str, shown: Path) -> int:
@@ -224,10 +225,14 @@ class RootDirs:
 
     def close(self, root: bool = True) -> None:
         for name, fd in list(self._fds.items()):
+            self._fds[name] = -1
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            self._fds[name] = -1
+        for fd in self._retired:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._retired.clear()
         if root and self.root_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.root_fd)

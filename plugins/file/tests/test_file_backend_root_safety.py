@@ -122,3 +122,25 @@ def test_journal_linked_outside_is_never_appended_to(tmp_path: Path, open_store,
     groups = [kit.group(i, 600 + c) for c in range(2) for i in range(4)]
     assert b.page_exists({PoolKind.KV: [f"{g}.{kit.NS[PoolKind.KV]}" for g in groups]}) == {PoolKind.KV: 8}
     assert (root / "journal").is_file() and not (root / "journal").is_symlink()
+
+
+def test_directory_swapped_for_a_link_while_open_is_not_followed(tmp_path: Path, open_store, kit) -> None:
+    """``free/`` renamed away and replaced by a link to an outside directory of ``*.free`` files
+    while the store is open: eviction and recycling keep to the root."""
+    root = tmp_path / "store"
+    store = open_store(root, max_bytes=4 * SEG, recycle_files=8)
+    _fill(store, kit, 7, 2)
+    out = tmp_path / "outside"
+    out.mkdir()
+    files = {}
+    for i in range(4):
+        p = out / f"{i:016x}-00000001.free"
+        p.write_bytes(b"outside free file" * 50)
+        files[p] = p.read_bytes()
+    os.rename(root / "free", root / "free.old")
+    os.symlink(out, root / "free")
+    _fill(store, kit, 8, 10)  # evicts (to free/) and claims free files
+    open_store(root)  # a rescan: the link is quarantined, a real free/ made
+    _fill(store, kit, 9, 6)
+    _unchanged(files)
+    assert not (root / "free").is_symlink()

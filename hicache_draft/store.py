@@ -21,7 +21,6 @@ bytes that no longer match the header made before the call, so every later read 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -205,7 +204,7 @@ class Store:
         if not any(t.pages for t in transfers):
             return "ok", {t.pool: [] for t in transfers}, _DONE
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
-        transfers = attach_headers(transfers, made=hook == "page_set")
+        transfers = attach_headers(transfers, made=hook == "page_set", executor=self._verifiers())
         out = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         kwargs: dict[str, Any] = {"transfers": transfers, "deadline": deadline}
         early: _EarlyVerifier | None = None
@@ -391,28 +390,43 @@ _VERIFY_CHUNK_BYTES = 16 << 20  # below this per worker, one thread verifies
 _VERIFY_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
-def attach_headers(transfers: Sequence[PageTransfer], made: bool) -> list[PageTransfer]:
+def attach_headers(
+    transfers: Sequence[PageTransfer], made: bool, executor: ThreadPoolExecutor | None = None
+) -> list[PageTransfer]:
     """What the store hands a backend (public for tools that call hooks directly, such as the
-    conformance kit): the transfers with every page's ``header`` set: made from the page's bytes (``page_set``)
-    or zeroed for the backend to fill (``page_get``). One buffer holds all headers of the call."""
-    pages = [p for t in transfers for p in t.pages]
+    conformance kit): the transfers with every page's ``header`` set, made from the page's bytes
+    (``page_set``) or zeroed for the backend to fill (``page_get``). Headers of many bytes are made
+    in parallel on ``executor`` (the hash releases the GIL)."""
+    items = [(t.pool, p) for t in transfers for p in t.pages]
+    if not items:
+        return list(transfers)
     if made:
-        raw = make_headers(
-            [(p.key, p.namespace, t.pool, [b.view() for b in p.buffers]) for t in transfers for p in t.pages]
-        )
+        total = sum(p.nbytes for _, p in items)
+        parts = min(_VERIFY_WORKERS, max(1, total // _VERIFY_CHUNK_BYTES)) if executor is not None else 1
+        step = -(-len(items) // parts)
+        jobs = [
+            [(p.key, p.namespace, pool, [b.view() for b in p.buffers]) for pool, p in items[a : a + step]]
+            for a in range(0, len(items), step)
+        ]
+        if len(jobs) > 1 and executor is not None:
+            blocks = [f.result() for f in [executor.submit(make_headers, j) for j in jobs]]
+        else:
+            blocks = [make_headers(j) for j in jobs]
     else:
-        raw = bytearray(HEADER_SIZE * len(pages))
-    whole = Buffer.of(raw) if raw else None
+        blocks = [bytearray(HEADER_SIZE * len(items))]
+    heads: list[Buffer] = []
+    for block in blocks:
+        whole = Buffer.of(block)
+        heads.extend(Buffer(whole.ptr + at, HEADER_SIZE, owner=whole) for at in range(0, len(block), HEADER_SIZE))
     out: list[PageTransfer] = []
     at = 0
     for t in transfers:
-        with_h = []
-        for p in t.pages:
-            assert whole is not None
-            hdr = Buffer(whole.ptr + at, HEADER_SIZE, owner=whole)
-            with_h.append(dataclasses.replace(p, header=hdr))
-            at += HEADER_SIZE
-        out.append(dataclasses.replace(t, pages=with_h))
+        n = len(t.pages)
+        pages = [
+            Page(p.key, p.group, p.namespace, p.buffers, h) for p, h in zip(t.pages, heads[at : at + n], strict=True)
+        ]
+        out.append(PageTransfer(t.pool, pages, t.zero_copy))
+        at += n
     return out
 
 

@@ -20,7 +20,9 @@ What SGLang calls, and where it goes:
 Every page key is ``make_key(page_hash, namespace)`` with a namespace built from SGLang's storage
 config, the host pool's shape and the model identities. Pages go zero-copy from SGLang's host pool
 memory when the backend declares the pool's layout zero-copy, through a staging area otherwise.
-Nothing here raises into SGLang's I/O threads: failures are ``False`` per page, and misses.
+Nothing here raises into SGLang's I/O threads: every call SGLang makes answers ``False`` per page, a
+miss or an empty result on any error (logged once). Results are built for the installed release's
+own dataclass fields (0.5.18's ``PoolTransferResult`` has two, later ones three).
 
 This module imports SGLang's storage module (without running ``sglang/__init__.py``); the core
 package never imports it.
@@ -28,14 +30,16 @@ package never imports it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import logging
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -77,6 +81,82 @@ log = logging.getLogger("hicache_draft.sglang")
 
 _HEX = re.compile(r"[0-9a-f]+")
 _POOL_OF_NAME = {"kv": PoolKind.KV, "draft": PoolKind.DRAFT}
+_RESULT_FIELDS = frozenset(f.name for f in dataclasses.fields(PoolTransferResult))
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def transfer_result(kv_hit_pages: int, extra_pool_hit_pages: dict[Any, int], restorable: list[int]) -> Any:
+    """A ``PoolTransferResult`` with the fields this SGLang release's dataclass has (found with
+    :func:`dataclasses.fields`, not by version): ``restorable_prefix_pages`` only where it exists."""
+    values = {"kv_hit_pages": kv_hit_pages, "extra_pool_hit_pages": extra_pool_hit_pages,
+              "restorable_prefix_pages": restorable}
+    return PoolTransferResult(**{k: v for k, v in values.items() if k in _RESULT_FIELDS})
+
+
+def _never_raise(default: Callable[..., Any]) -> Callable[[_F], _F]:
+    """Guard one SGLang-facing call: any exception becomes ``default(self, *args, **kwargs)``
+    (all-False, a miss, an empty result), logged once per call and exception type."""
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def guarded(self: HiCacheDraftStorage, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:  # never raise into SGLang's threads
+                self._warn_once(f"raise:{fn.__name__}:{type(exc).__name__}",
+                                "hicache-draft: %s failed (%s: %s); answered as a miss", fn.__name__,
+                                type(exc).__name__, exc)
+                try:
+                    return default(self, *args, **kwargs)
+                except Exception:
+                    return None
+
+        return guarded  # type: ignore[return-value]
+
+    return wrap
+
+
+def _n_keys(args: tuple[Any, ...], kwargs: dict[str, Any], name: str = "keys") -> int:
+    keys = kwargs.get(name, args[0] if args else None)
+    try:
+        return len(keys)
+    except TypeError:
+        return 0
+
+
+def _all_false(self: Any, *args: Any, **kwargs: Any) -> list[bool]:
+    return [False] * _n_keys(args, kwargs)
+
+
+def _no_pages(self: Any, *args: Any, **kwargs: Any) -> dict[Any, list[bool]]:
+    transfers = kwargs.get("transfers", args[0] if args else None) or []
+    out: dict[Any, list[bool]] = {}
+    for t in transfers:
+        try:
+            out[t.name] = [False] * len(t.keys or [])
+        except Exception:  # noqa: BLE001, S112  (a malformed transfer gets no entry)
+            continue
+    return out
+
+
+def _no_hit(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return transfer_result(0, {}, [])
+
+
+def _constant(value: Any) -> Callable[..., Any]:
+    return lambda self, *args, **kwargs: value
+
+
+def _nones(self: Any, *args: Any, **kwargs: Any) -> list[None]:
+    return [None] * _n_keys(args, kwargs)
+
+
+def pool_of_group(mem_pool_host: Any) -> Any:
+    """The anchor host pool of what SGLang passes to ``register_mem_pool_host``: the pool itself,
+    or, for a ``HostPoolGroup`` (0.5.18 passes the group for hybrid models), its anchor entry's
+    pool. Read by attribute, like everything else SGLang hands over."""
+    anchor = getattr(mem_pool_host, "anchor_entry", None)
+    return getattr(anchor, "host_pool", None) if anchor is not None else mem_pool_host
 
 
 def page_group(sglang_key: str) -> str:
@@ -109,6 +189,26 @@ class _Job:
         return self.slots is None or self.view.path is IOPath.GENERIC
 
 
+CLEAR_UNSUPPORTED = (
+    "hicache-draft cannot clear stored pages: the storage plugin contract has no delete hook, so "
+    "nothing this deployment's namespace stored can be removed through it (pages stay, and are "
+    "still served); delete them with the backend's own tools"
+)
+
+
+class _Unclearable:
+    """``clear`` as SGLang sees it: absent. Every SGLang release asks ``hasattr(backend, "clear")``
+    before clearing and otherwise answers "does not support clear operation" and ``False`` (the
+    HTTP clear endpoint then fails), which is the truth: no hook can delete pages. Looking the
+    attribute up logs why, then raises :class:`AttributeError` with the same reason."""
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        log.warning("hicache-draft: %s", CLEAR_UNSUPPORTED)
+        raise AttributeError(CLEAR_UNSUPPORTED)
+
+
 class HiCacheDraftStorage(HiCacheStorage):
     """SGLang storage backend over a hicache-draft :class:`~hicache_draft.Store`.
 
@@ -126,7 +226,6 @@ class HiCacheDraftStorage(HiCacheStorage):
         context = BackendContext(tp_rank=par.tp_rank, tp_size=par.tp_size, timeout_s=self.settings.timeout_s)
         self.store = Store.open(self.settings.backend, self.settings.backend_options, context)
         self.views: dict[PoolKind, PoolView] = {}
-        self.registered_pools: dict[Any, Any] = {}
         self.mem_pool_host: Any = None
         self._lock = threading.Lock()
         self._logged: set[str] = set()
@@ -145,14 +244,14 @@ class HiCacheDraftStorage(HiCacheStorage):
 
     # -- pool registration ------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """The target (anchor) host pool, right after construction."""
+        """The target host pool, right after construction: a host pool, or a ``HostPoolGroup``
+        whose anchor pool is the target's (0.5.18 passes the group for hybrid models)."""
         self.mem_pool_host = mem_pool_host
-        self._register(PoolKind.KV, mem_pool_host)
+        self._register(PoolKind.KV, pool_of_group(mem_pool_host))
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Extra host pools: ``PoolName.DRAFT`` becomes our draft pool; ``KV`` the target pool;
-        others are recorded and answered with misses."""
-        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        others are answered with misses."""
         name = str(host_pool_name)
         if name == str(PoolName.KV):
             if self.views.get(PoolKind.KV) is None or self.views[PoolKind.KV].source is not host_pool:
@@ -180,6 +279,13 @@ class HiCacheDraftStorage(HiCacheStorage):
         if kind is PoolKind.KV and self.settings.legacy_draft_pool is not None and PoolKind.DRAFT not in self.views:
             dspec = legacy_draft_spec(self.settings.legacy_draft_pool, spec)
             self.views[PoolKind.DRAFT] = self._make_view(dspec, None, None)
+
+    @property
+    def _legacy_draft(self) -> PoolView | None:
+        """The draft pool known only from ``legacy_draft_pool`` (no registered memory): SGLang
+        0.5.15-0.5.18 moves its pages as ``{hash}.draft`` flat pages."""
+        view = self._view(PoolKind.DRAFT)
+        return view if view is not None and view.pool is None else None
 
     def _make_view(self, spec: PoolSpec, pool: HostPool | None, source: Any) -> PoolView:
         caps = self.store.capabilities
@@ -343,10 +449,12 @@ class HiCacheDraftStorage(HiCacheStorage):
         return _Job(view=view, groups=[page_group(k) for k in keys], slots=slots)
 
     # -- zero-copy v1 (target pages by host index) -----------------------------------------------
+    @_never_raise(_all_false)
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         job = self._slot_job(self._view(PoolKind.KV), keys, host_indices)
         return self._run("set", [job])[0] if job else [False] * len(keys)
 
+    @_never_raise(_all_false)
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         job = self._slot_job(self._view(PoolKind.KV), keys, host_indices)
         return self._run("get", [job])[0] if job else [False] * len(keys)
@@ -367,12 +475,15 @@ class HiCacheDraftStorage(HiCacheStorage):
             out[name] = res
         return out
 
+    @_never_raise(_no_pages)
     def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
         return self._v2("set", transfers)
 
+    @_never_raise(_no_pages)
     def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
         return self._v2("get", transfers)
 
+    @_never_raise(_no_hit)
     def batch_exists_v2(
         self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None
     ) -> Any:
@@ -407,10 +518,15 @@ class HiCacheDraftStorage(HiCacheStorage):
                 hit_count[t.name] = boundary
             restorable = [p for p in restorable if p in allowed]
         final = restorable[-1] if restorable else 0
-        return PoolTransferResult(final, hit_count, restorable)
+        return transfer_result(final, hit_count, restorable)
 
+    @_never_raise(_constant(0))
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """Leading stored pages (target pages; ``{hash}.draft`` keys ask the draft pool)."""
+        """Leading stored pages (target pages; ``{hash}.draft`` keys ask the draft pool).
+
+        With ``legacy_draft_pool`` set (SGLang 0.5.15-0.5.18, whose hit query asks for target keys
+        only and then restores draft pages best-effort), the target hit is shortened to the stored
+        draft prefix: ``min(target, draft)``, so no restored prefix keeps stale draft KV."""
         if not keys:
             return 0
         parsed = [split_generic_key(k) for k in keys]
@@ -421,12 +537,16 @@ class HiCacheDraftStorage(HiCacheStorage):
                     return i
             return len(keys)
         kind = next(iter(kinds))
-        view = self._view(kind)
-        if view is None:
+        pools = [self._view(kind)]
+        if kind is PoolKind.KV and self._legacy_draft is not None:
+            pools.append(self._legacy_draft)
+        if pools[0] is None:
             return 0
-        query = [make_key(g, ns) for _, g in parsed for ns in view.namespaces]
-        return self.store.page_exists({view.kind: query}).get(view.kind, 0) // view.split
+        queries = {v.kind: [make_key(g, ns) for _, g in parsed for ns in v.namespaces] for v in pools if v}
+        counts = self.store.page_exists(queries)
+        return min(counts.get(v.kind, 0) // v.split for v in pools if v)
 
+    @_never_raise(_constant(False))
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
@@ -442,7 +562,7 @@ class HiCacheDraftStorage(HiCacheStorage):
             if view is not None and view.staging is None:
                 with self._lock:
                     if view.staging is None:  # zero-copy pool reached by generic calls: unregistered staging
-                        view.staging = Staging(view.spec.page_nbytes, self.settings.staging_pages, registered=False)
+                        view.staging = Staging(view.spec.page_nbytes, self.settings.staging_pages)
             if view is None or flat is None:
                 self._warn_once(f"generic:{kind}", "hicache-draft: no usable pool for generic key %r", key)
                 continue
@@ -458,6 +578,7 @@ class HiCacheDraftStorage(HiCacheStorage):
         jobs = [j for j, _ in by_kind.values()]
         return jobs, [p for _, p in by_kind.values()]
 
+    @_never_raise(_constant(False))
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
     ) -> bool:
@@ -472,6 +593,7 @@ class HiCacheDraftStorage(HiCacheStorage):
                 results[p] = r
         return all(results)
 
+    @_never_raise(_nones)
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
@@ -495,19 +617,20 @@ class HiCacheDraftStorage(HiCacheStorage):
                     got[p] = targets[p]
         return got
 
+    @_never_raise(_constant(None))
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location] if target_location is not None else None)[0]
 
+    @_never_raise(_constant(False))
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def clear(self) -> None:
-        """Stored pages outlive the server on purpose; SGLang's clear does not delete them."""
-        log.info("hicache-draft: clear() leaves stored pages in place (delete them through the backend)")
+    clear = _Unclearable()
 
     def get_stats(self) -> None:
         return None
 
+    @_never_raise(_constant(None))
     def close(self) -> None:
         self.store.close()

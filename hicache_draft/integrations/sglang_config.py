@@ -21,15 +21,6 @@ from hicache_draft.errors import ConfigError
 SECTION = "hicache_draft"
 DRAFT_MODEL_SUFFIX = "#draft"
 
-DOCUMENTED_EXTRA_CONFIG = (
-    '{"backend_name": "hicache_draft", "module_path": "hicache_draft.integrations.sglang", '
-    '"class_name": "HiCacheDraftStorage", "interface_v1": true, '
-    '"hicache_draft": {"backend": "file", "backend_options": {"root": "/mnt/kv-cache"}, '
-    '"draft_model": "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B"}}'
-)
-"""The ``--hicache-storage-backend-extra-config`` value the README documents (tested verbatim)."""
-
-
 class LegacyDraftPool(PoolShapeConfig):
     """Shape of the draft host pool for SGLang releases that send draft pages only through the
     generic ``batch_set``/``batch_get`` calls (keys ``{hash}.draft``) and never register the draft

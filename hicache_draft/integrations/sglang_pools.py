@@ -136,15 +136,14 @@ def namespaces(spec: PoolSpec, placement: Placement, split: int) -> tuple[str, .
 class Staging:
     """Host memory for the generic path of one pool: ``pages`` pages, one call at a time.
 
-    It is registered with the backend once. If a call that used it times out (the backend may
-    still touch it), it is replaced by fresh, unregistered memory.
+    It is registered with the backend once when the pool is registered. If a call that used it times
+    out (the backend may still touch it), it is replaced by fresh, unregistered memory.
     """
 
-    def __init__(self, page_nbytes: int, pages: int, registered: bool = True) -> None:
+    def __init__(self, page_nbytes: int, pages: int) -> None:
         self.page_nbytes = page_nbytes
         self.pages = pages
         self.lock = threading.Lock()
-        self.registered = registered
         self.tensor = torch.zeros(pages * page_nbytes, dtype=torch.uint8)
 
     def region(self) -> Buffer:
@@ -156,7 +155,6 @@ class Staging:
     def replace(self) -> None:
         """Abandon the current memory to a call that may still use it (its Buffers keep it alive)."""
         self.tensor = torch.zeros(self.pages * self.page_nbytes, dtype=torch.uint8)
-        self.registered = False
 
 
 @dataclass

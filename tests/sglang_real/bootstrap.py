@@ -1,0 +1,73 @@
+"""Make one SGLang release importable on this CPU host, with the smallest shims.
+
+``install(release)`` runs in a fresh child process, before anything imports sglang:
+
+1. ``sys.path``: the release's own directory first (``.venv/sglang/<release>``, made by
+   ``scripts/setup.sh --test`` with ``pip install --no-deps --target``; the venv's own sglang is used
+   for the pinned release), the shared pure dependencies of SGLang's modules last
+   (``.venv/sglang/_deps``), so hicache-draft's own dependencies stay the venv's.
+2. torch decides "no Triton" *before* the triton shim is importable: ``has_triton()`` (cached),
+   inductor's ``triton_compat``, ``flop_counter`` and dynamo are imported first, so torch never
+   probes the shim.
+3. The shims (``shims/``) go last on ``sys.path``:
+
+   * ``triton``: SGLang's modules define Triton kernels at import time; the shim gives the decorators
+     and ``tl`` names, and every kernel raises ``TritonShimError`` if launched (no storage code
+     launches one; a test that did would fail, not pass on a fake result).
+   * ``torchvision`` (inert): imported by SGLang's multimodal processors; the only wheel for this torch
+     is a CUDA build whose ops fail on CPU torch.
+   * ``IPython`` (inert): imported by ``sglang/utils.py`` for notebook display helpers.
+   * ``sgl_kernel`` needs no shim: SGLang imports it only behind ``is_cuda()`` checks.
+
+4. ``sglang`` is registered as a bare package (``hicache_draft.integrations.sglang_loader``), so
+   ``sglang/__init__.py`` (the frontend language and server entry points) does not run; every
+   ``sglang.srt`` module then imports as it is, unchanged.
+
+Nothing on the storage path is shimmed: host pools, controllers, the hash chain, the backend
+factory and the storage threads are SGLang's own code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SHIMS = HERE / "shims"
+
+
+def release_dir(release: str) -> Path:
+    return Path(os.environ.get("HICACHE_SGLANG_DIR", ROOT / ".venv" / "sglang")) / release
+
+
+def install(release: str) -> None:
+    base = release_dir(release).parent
+    own = release_dir(release)
+    if own.is_dir():
+        sys.path.insert(0, str(own))
+    deps = base / "_deps"
+    if deps.is_dir():
+        sys.path.append(str(deps))
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.runtime.triton_compat as triton_compat
+    import torch.utils.flop_counter  # noqa: F401
+    from torch.utils._triton import has_triton
+
+    assert not has_triton() and not triton_compat.HAS_TRITON, "a real triton is importable"
+    sys.path.append(str(SHIMS))
+    from hicache_draft.integrations.sglang_loader import ensure_sglang_package, sglang_version
+
+    ensure_sglang_package()
+    found = sglang_version()
+    if found != release:
+        raise RuntimeError(
+            f"sglang {release} is not installed (found {found!r}); run 'scripts/setup.sh --test'"
+        )
+    os.environ.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", None)
+    os.environ.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", None)
+    importlib.invalidate_caches()
+

@@ -1,4 +1,4 @@
-"""The ``hicache-draft`` command: backends, check, stats, demo, and commands contributed by plugins.
+"""The ``hicache-draft`` command: backends, check, stats, demo, bench, and commands contributed by plugins.
 
 Exit codes: 0 ok, 2 bad input (config, unknown backend), 1 any other failure.
 Plugins add subcommands through the entry-point group ``hicache_draft.commands`` (a click
@@ -16,6 +16,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from hicache_draft.bench.command import bench
 from hicache_draft.capabilities import IOPath, PoolKind
 from hicache_draft.config import Config, load_config
 from hicache_draft.demo.command import demo
@@ -233,6 +234,7 @@ def _scrape_stats(url: str, timeout_s: float, as_json: bool) -> None:
 
 
 main.add_command(demo, "demo")
+main.add_command(bench, "bench")
 
 
 if __name__ == "__main__":  # pragma: no cover

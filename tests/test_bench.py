@@ -27,3 +27,19 @@ def test_verification_bench_reads_back_what_it_stored(tmp_path):
     cost = measure("file", {"root": str(tmp_path / "root")}, page_bytes=64 << 10, pages=16, rounds=2)
     assert cost.store_s > 0 and cost.bare_s > 0
     assert "% of page_get" in cost.row()
+
+
+def test_bench_commands_print_their_ratios(tmp_path):
+    from click.testing import CliRunner
+
+    from hicache_draft.cli import main
+
+    out = CliRunner().invoke(main, ["bench", "pipeline", "--quick", "--pages", "8", "--root", str(tmp_path),
+                                    "--threads", "2"])
+    assert out.exit_code == 0, out.output
+    assert "x d2h" in out.output and "backup" in out.output and "restored bytes equal: yes" in out.output
+    out = CliRunner().invoke(main, ["bench", "verify", "--page-kib", "16", "--pages", "8", "--rounds", "1"])
+    assert out.exit_code == 0, out.output
+    assert "% of page_get" in out.output
+    bad = CliRunner().invoke(main, ["bench", "verify", "--option", "nonsense"])
+    assert bad.exit_code == 2 and "KEY=VALUE" in bad.output

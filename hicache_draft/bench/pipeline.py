@@ -22,6 +22,7 @@ import secrets
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,22 @@ class PipelineReport:
                 for s, g, r, c in self.rows()
             ],
         }
+
+
+def scratch_options(backend: str | None, directory: Path) -> dict[str, Any]:
+    """The backend's own options for a throwaway store under ``directory`` (never guessed here)."""
+    from hicache_draft.errors import ConfigError
+    from hicache_draft.plugins import get_backend
+
+    info = get_backend(backend)
+    assert info.cls is not None
+    offered = info.cls.scratch_options(directory)
+    if offered is None:
+        raise ConfigError(
+            f"backend {info.name!r} offers no scratch options (StorageBackend.scratch_options); "
+            "give its options with --option KEY=VALUE", field="backend_options",
+        )
+    return offered
 
 
 def _config(shape: Shape, backend: str | None, options: Mapping[str, Any], model: str) -> Any:  # noqa: ANN401
@@ -151,12 +168,21 @@ def run_pipeline(
     options: Mapping[str, Any] | None = None,
     ceiling_threads: int | None = None,
 ) -> PipelineReport:
-    """Measure every step once (after one warm-up backup/prefetch of a few pages)."""
-    import torch
+    """Measure every step once, each copy after a first touch of its memory."""
+    with warnings.catch_warnings():  # torch's "Failed to initialize NumPy" (we never use NumPy), scoped
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+        return _run(root, pages, shape or Shape(), backend, options, ceiling_threads)
 
+
+def _run(
+    root: Path | None, pages: int, shape: Shape, backend: str | None, options: Mapping[str, Any] | None,
+    ceiling_threads: int | None,
+) -> PipelineReport:
     from hicache_draft.controller import CacheController
+    from hicache_draft.pools import import_torch
 
-    shape = shape or Shape()
+    torch = import_torch()
+
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
@@ -165,8 +191,8 @@ def run_pipeline(
         tmp = tempfile.TemporaryDirectory(prefix="hicache-draft-bench-")
         root = Path(tmp.name)
     store_root = root / f"store-{secrets.token_hex(4)}"
-    opts = dict(options or {})
-    opts.setdefault("root", str(store_root))
+    store_root.mkdir()
+    opts = dict(options) if options is not None else scratch_options(backend, store_root)
     model = f"bench-{secrets.token_hex(4)}"
     try:
         cfg = _config(shape, backend, opts, model)
@@ -232,7 +258,7 @@ def run_pipeline(
         report.nbytes["h2d"] = t_bytes + d_bytes
         reader.close()
         threads = ceiling_threads or min(16, os.cpu_count() or 1)
-        w, r = _ceiling(store_root if store_root.is_dir() else root, t_bytes + d_bytes, tpage, threads)
+        w, r = _ceiling(store_root, t_bytes + d_bytes, tpage, threads)
         report.seconds["ceiling write"], report.seconds["ceiling read"] = w, r
         report.nbytes["ceiling write"] = report.nbytes["ceiling read"] = -(-(t_bytes + d_bytes) // threads // tpage) \
             * tpage * threads

@@ -53,7 +53,7 @@ def _pages(region: bytearray, groups: list[str], namespace: str, page_bytes: int
 
 
 def measure(
-    backend: str, options: Mapping[str, Any], page_bytes: int = 1 << 20, pages: int = 128, rounds: int = 7
+    backend: str | None, options: Mapping[str, Any], page_bytes: int = 1 << 20, pages: int = 128, rounds: int = 7
 ) -> VerificationCost:
     """Store ``pages`` random pages in ``backend`` and time verified against bare reads of them."""
     namespace = secrets.token_hex(12)

@@ -38,12 +38,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar
 
 from hicache_draft import (
     HEADER_SIZE,
     Attention,
     BackendContext,
+    BackendSetupError,
     Buffer,
     Capabilities,
     Layout,
@@ -60,11 +62,13 @@ from hicache_draft import (
     parse_header,
     verify_payload,
 )
-from hicache_draft_mooncake import codes, pipeline
+from hicache_draft_mooncake import codes, health, pipeline
 from hicache_draft_mooncake.breaker import Breaker
-from hicache_draft_mooncake.client import connect
-from hicache_draft_mooncake.memory import Arena, Memory
+from hicache_draft_mooncake.client import new_client
+from hicache_draft_mooncake.link import Link
+from hicache_draft_mooncake.memory import Arena
 from hicache_draft_mooncake.options import MooncakeOptions
+from hicache_draft_mooncake.session import Session
 
 log = logging.getLogger("hicache_draft_mooncake")
 
@@ -74,6 +78,17 @@ _POOL = PoolCapability(
     generic=True,
     max_buffers_per_page=None,
 )
+
+OVERDUE_GRACE_S = 1.0
+"""A call this far past its deadline means the store stopped answering: the breaker trips."""
+
+RECONNECT_GRACE_S = 3.0
+"""Shared-memory mode, holder and master answering but this client's RPCs failing: how long
+Mooncake's own reconnect (every 2 s) gets before the backend builds a new client. A lost mapping
+(``INVALID_PARAMS``) is never repaired by Mooncake, so it reconnects at once."""
+
+DRAIN_S = 5.0
+"""How long a replaced session waits for its calls to finish before it is closed."""
 
 EXIST_BATCH_KEYS = 4096
 """Keys per ``batch_is_exist`` call in ``page_exists`` (one RPC for any usual prefetch)."""
@@ -98,9 +113,27 @@ class _Sub:
     """A prepared sub-batch: its jobs, the arena it borrowed and the native call's arguments."""
 
     jobs: list[_Job]
+    sess: Session
     arena: Arena | None = None
     ptrs: list[Any] = field(default_factory=list)
     sizes: list[Any] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Outage:
+    """One period in which the store is down: since when, what tripped it, what was found."""
+
+    since: float
+    op: str
+    code: int | None
+    text: str
+    reported: bool = False
+    fault: health.Fault | None = None
+    last: str = ""
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.0f} KiB"
 
 
 def _chunks(items: list[_Job], n: int) -> Iterator[list[_Job]]:
@@ -124,18 +157,19 @@ class MooncakeBackend(StorageBackend):
     def __init__(self, options: MooncakeOptions, context: BackendContext) -> None:
         super().__init__(options, context)
         self.opts = options
-        self._store = connect(options)
-        from mooncake.store import ReplicateConfig
-
-        self._cfg = ReplicateConfig()
-        self._cfg.replica_num = options.replica_num
-        self._mem = Memory(self._store, shm=options.shm)
-        self._breaker = Breaker(options.retry_interval_s)
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         self._closed = False
         self._worker: ThreadPoolExecutor | None = None
         self.stats: Counter[str] = Counter()
+        self._link = Link.acquire(options, new_client)
+        from mooncake.store import ReplicateConfig
+
+        self._cfg = ReplicateConfig()
+        self._cfg.replica_num = options.replica_num
+        self._breaker = Breaker(options.retry_interval_s, self._probe, name="hicache-draft-mooncake")
+        self._outage: _Outage | None = None
+        self._check_at_open()
 
     # -- helpers ---------------------------------------------------------------------------
     def key(self, page: Page) -> str:
@@ -154,31 +188,150 @@ class MooncakeBackend(StorageBackend):
             with self._lock:
                 self.stats.update(counts)
 
-    def _probe(self) -> bool:
-        try:
-            rc = self._store.batch_is_exist([self.opts.key_prefix + "probe"])
-        except Exception:  # noqa: BLE001 (the native client must never break the caller)
-            return False
-        return bool(rc) and rc[0] >= 0
+    @property
+    def _sess(self) -> Session:
+        return self._link.session
 
-    def _open(self) -> bool:
-        """Whether calls may go to the store now (not closed, master not known to be down)."""
-        return not self._closed and self._breaker.allow(self._probe)
+    @property
+    def available(self) -> bool:
+        """Whether calls go to the store now (False while it is known to be down: calls then fail
+        at once, and a background prober checks it every ``retry_interval_s``)."""
+        return not self._closed and not self._breaker.down
+
+    def _up(self, sess: Session) -> bool:
+        """Whether a call may go to the store now; trips the breaker when an earlier call on this
+        session is stuck past its deadline (a stopped holder or master)."""
+        if self._closed or self._breaker.down:
+            return False
+        late = sess.overdue(OVERDUE_GRACE_S)
+        if late > 0:
+            self._trip("call", None, f"a call got no answer for {late + OVERDUE_GRACE_S:.1f}s past its deadline")
+            return False
+        return True
+
+    # -- outages ---------------------------------------------------------------------------
+    def _trip(self, op: str, code: int | None, what: str | None = None, now: bool = False) -> None:
+        """The store is down (or, ``now``, possibly lost this client's mapping: probe at once)."""
+        text = what or health.describe_code(self.opts, op, code if code is not None else codes.INTERNAL_ERROR)
+        with self._lock:
+            if self._outage is None or not self._breaker.down:
+                self._outage = _Outage(time.monotonic(), op, code, text)
+        if self._breaker.trip(now=True):
+            with self._lock:
+                self.stats["outages"] += 1
+
+    def _probe(self) -> bool:
+        """On the prober thread: diagnose, report once, round trip; in shared-memory mode, build a
+        new client when this one is what is broken. Whether the store works again."""
+        if self._closed:
+            return True
+        outage = self._outage or _Outage(time.monotonic(), "call", None, "unknown failure")
+        fault = health.diagnose(self.opts, min(self.opts.connect_timeout_s, 2.0))
+        if not outage.reported:
+            outage.reported = True
+            cause = str(fault) if fault is not None else "master and holder answer, but this client's calls fail"
+            log.warning("mooncake store unusable: %s (%s); every call fails at once while it is down, probed every "
+                        "%.1fs in the background", cause, outage.text, self.opts.retry_interval_s)
+        if fault is not None:
+            outage.fault = fault
+            return False
+        sess = self._sess
+        if sess.closed and self.opts.shm:  # a reconnect closed it and then failed: try again
+            return self._reconnect(outage, sess)
+        step, code = health.round_trip(sess, self._cfg, self.opts.key_prefix, health.probe_deadline(self.opts))
+        if step == "ok":
+            self._recovered(outage, "")
+            return True
+        outage.last = f"probe {step} got {codes.name(code)}"
+        if not (self.opts.shm and health.client_broken(code)):
+            return False
+        if code != codes.INVALID_PARAMS and time.monotonic() - outage.since < RECONNECT_GRACE_S:
+            return False  # give Mooncake's own reconnect a chance first
+        return self._reconnect(outage, sess)
+
+    def _reconnect(self, outage: _Outage, old: Session) -> bool:
+        """Shared-memory mode: replace a client the holder no longer serves by a new one (the
+        process's one shared-memory client: every backend of this process on this holder moves)."""
+        try:
+            new = self._link.reconnect(old, DRAIN_S)
+        except Exception as exc:  # noqa: BLE001 (stay down; the next probe tries again)
+            outage.last = f"reconnect failed: {exc}"
+            return False
+        with self._lock:
+            self.stats["reconnects"] += 1
+        if old.native is None:  # closed: its own staging memory is of no use any more
+            old.mem.discard_arenas()
+        step, code = health.round_trip(new, self._cfg, self.opts.key_prefix, health.probe_deadline(self.opts))
+        if self._closed:
+            return True
+        note = ""
+        if old.mem.host_bytes:
+            note = (f"; the host pools built in the old client's shared memory ({_size(old.mem.host_bytes)}, "
+                    "host_memory hook) are no longer mapped by the holder, so their pages now go through a staging "
+                    "copy (correct, slower): restart this process to move them in place again")
+        how = (f"reconnected as a new shared-memory client (the holder at {self.opts.shm_client_address} "
+               f"restarted or lost this client's memory){note}")
+        if step == "ok":
+            self._recovered(outage, how)
+        else:
+            outage.last = f"new client's probe {step} got {codes.name(code)}"
+            log.warning("mooncake: %s; its first probe got %s, so it stays down a little longer", how,
+                        codes.name(code))
+        return step == "ok"
+
+    def _recovered(self, outage: _Outage, how: str) -> None:
+        with self._lock:
+            self.stats["recovered"] += 1
+        if outage.reported:
+            log.warning("mooncake store usable again after %.1fs%s", time.monotonic() - outage.since,
+                        f": {how}" if how else "")
+        elif how:
+            log.warning("mooncake: %s", how)
+
+    def _check_at_open(self) -> None:
+        """One round trip at open (bounded by ``connect_timeout_s``): a wrong ``metadata_server``
+        fails the open; other failures are reported and leave the backend down (probed)."""
+        result: list[tuple[str, int]] = []
+        sess = self._sess
+        deadline = time.monotonic() + self.opts.connect_timeout_s
+
+        def run() -> None:
+            result.append(health.round_trip(sess, self._cfg, self.opts.key_prefix, deadline))
+
+        t = threading.Thread(target=run, name="hicache-draft-mooncake-open", daemon=True)
+        t.start()
+        t.join(self.opts.connect_timeout_s)
+        if not result:
+            self._trip("open", None, f"the test put at open got no answer within {self.opts.connect_timeout_s:g}s")
+            return
+        step, code = result[0]
+        if step == "ok":
+            return
+        if code == codes.TRANSFER_FAIL and not self.opts.shm and self.opts.metadata_server == "P2PHANDSHAKE":
+            self.close()
+            raise BackendSetupError(f"mooncake backend: the test {step} at open failed: "
+                                    f"{health.describe_code(self.opts, step, code)}")
+        text = health.describe_code(self.opts, step, code)
+        if code in codes.RPC_CODES or (self.opts.shm and health.client_broken(code)):
+            self._trip("open", code, f"the test {step} at open failed: {text}")
+        else:
+            self._note(f"open:{code}", "mooncake: the test %s at open failed: %s; pages will fail until it is fixed",
+                       step, text)
 
     def _codes_seen(self, op: str, rcs: Sequence[int]) -> None:
         bad = {c for c in rcs if c < 0}
         if not bad:
             return
-        if bad & codes.RPC_CODES or (op == "exist" and codes.INTERNAL_ERROR in bad):
-            self._breaker.trip()
-            self._note("master_unreachable", "mooncake master %s did not answer (%s); pages count as misses "
-                       "for %.1fs, then it is probed again", self.opts.master_server_address,
-                       ", ".join(codes.name(c) for c in sorted(bad)), self.opts.retry_interval_s)
+        rpc = bad & codes.RPC_CODES
+        if rpc or (op == "exist" and codes.INTERNAL_ERROR in bad):
+            self._trip(op, min(rpc) if rpc else codes.INTERNAL_ERROR)
+        elif self.opts.shm and codes.INVALID_PARAMS in bad and op in ("put", "get"):
+            self._trip(op, codes.INVALID_PARAMS, now=True)
         for c in bad - codes.RPC_CODES - {codes.OBJECT_NOT_FOUND}:
-            self._note(f"{op}:{c}", "mooncake %s returned %s", op, codes.name(c))
+            self._note(f"{op}:{c}", "mooncake %s", health.describe_code(self.opts, op, c))
 
-    def _exist(self, keys: list[str]) -> list[int]:
-        rcs = list(self._store.batch_is_exist(keys))
+    def _exist(self, sess: Session, keys: list[str]) -> list[int]:
+        rcs = list(sess.native.batch_is_exist(keys))
         if len(rcs) != len(keys):
             return [codes.INTERNAL_ERROR] * len(keys)
         self._codes_seen("exist", rcs)
@@ -201,16 +354,17 @@ class MooncakeBackend(StorageBackend):
             for i, p in enumerate(t.pages)
         ]
 
-    def _split(self, jobs: list[_Job], counts: Counter[str]) -> tuple[list[_Job], list[_Job]]:
+    def _split(self, sess: Session, jobs: list[_Job], counts: Counter[str]) -> tuple[list[_Job], list[_Job]]:
         """(staged, direct) jobs, by ``io_mode`` and, in shm mode, by where the buffers live."""
         staged: list[_Job] = []
         direct: list[_Job] = []
         mode = self.opts.io_mode
-        shm = self._mem.shm
+        mem = sess.mem
+        shm = mem.shm
         limit = self.opts.staged_max_page_bytes
         auto_stage = mode == "auto" and not shm and self.opts.protocol == "tcp"
         for job in jobs:
-            if shm and not self._mem.inside(job.page.buffers):
+            if shm and not mem.inside(job.page.buffers):
                 counts["bounced_pages"] += 1
                 staged.append(job)
             elif mode == "staged" or (auto_stage and job.nbytes <= limit):
@@ -228,29 +382,33 @@ class MooncakeBackend(StorageBackend):
 
     def _release(self, sub: _Sub) -> None:
         if sub.arena is not None:
-            self._mem.give_back(sub.arena)
+            sub.sess.mem.give_back(sub.arena)
             sub.arena = None
 
-    def _payload_views(self, page: Page) -> list[memoryview]:
-        return self._mem.views(page.buffers)
+    def _payload_views(self, sess: Session, page: Page) -> list[memoryview]:
+        return sess.mem.views(page.buffers)
 
     # -- hooks -----------------------------------------------------------------------------
     @hookimpl
     def host_memory(self, pool: PoolKind, nbytes: int) -> Buffer | None:
         """Shared-memory mode: host pool memory from the segment holder's shared pool (registered,
         so pages move without a bounce copy; valid until the backend closes). TCP mode: ``None``."""
-        if not self._mem.shm:
+        sess = self._sess
+        if not sess.mem.shm:
             return None
-        ptr, arr = self._mem.allocate(nbytes)
+        with sess.call(time.monotonic() + self.context.timeout_s):
+            ptr, arr = sess.mem.allocate_host(nbytes)
         log.debug("mooncake: %d bytes of shared memory for the %r host pool at %#x", nbytes, pool.value, ptr)
         return Buffer(ptr, nbytes, owner=arr)
 
     @hookimpl
     def register_pool(self, registration: PoolRegistration) -> None:
         outside = 0
-        for region in (*registration.regions, *registration.staging):
-            if not self._mem.register_external(region.ptr, region.nbytes):
-                outside += 1
+        sess = self._sess
+        with sess.call(time.monotonic() + self.context.timeout_s):
+            for region in (*registration.regions, *registration.staging):
+                if not sess.mem.register_external(region.ptr, region.nbytes):
+                    outside += 1
         if outside:
             log.warning(
                 "mooncake shared-memory mode: %d region(s) of pool %r are not in the shared pool, so its pages "
@@ -265,14 +423,17 @@ class MooncakeBackend(StorageBackend):
     def _each_chunk(
         self,
         what: str,
-        run: Callable[[list[_Job], dict[PoolKind, list[PageResult]], float, Counter[str]], None],
+        run: Callable[[Session, list[_Job], dict[PoolKind, list[PageResult]], float, Counter[str]], None],
         transfers: Sequence[PageTransfer],
         deadline: float,
     ) -> dict[PoolKind, list[PageResult]]:
         """Run ``run`` chunk by chunk within the deadline; a chunk that raises fails only its pages."""
         results = {t.pool: [FAILED] * len(t.pages) for t in transfers}
         jobs = self._jobs(transfers)
-        if not jobs or not self._open():
+        sess = self._sess
+        if not jobs or not self._up(sess):
+            if jobs:
+                self.stats[f"{what}_refused"] += len(jobs)
             return results
         counts: Counter[str] = Counter()
         try:
@@ -280,7 +441,8 @@ class MooncakeBackend(StorageBackend):
                 if time.monotonic() >= deadline or self._breaker.down or self._closed:
                     break
                 try:
-                    run(chunk, results, deadline, counts)
+                    with sess.call(deadline):
+                        run(sess, chunk, results, deadline, counts)
                 except Exception as exc:  # noqa: BLE001 (per-page failures, never an exception)
                     for job in chunk:
                         results[job.pool][job.index] = FAILED
@@ -291,9 +453,10 @@ class MooncakeBackend(StorageBackend):
         return results
 
     def _set_chunk(
-        self, chunk: list[_Job], results: dict[PoolKind, list[PageResult]], deadline: float, counts: Counter[str]
+        self, sess: Session, chunk: list[_Job], results: dict[PoolKind, list[PageResult]], deadline: float,
+        counts: Counter[str],
     ) -> None:
-        present = self._exist([j.key for j in chunk])
+        present = self._exist(sess, [j.key for j in chunk])
         todo: list[_Job] = []
         for job, rc in zip(chunk, present, strict=True):
             if rc == 1:
@@ -303,12 +466,12 @@ class MooncakeBackend(StorageBackend):
                 todo.append(job)
         if not todo or self._breaker.down:
             return
-        staged, direct = self._split(todo, counts)
+        staged, direct = self._split(sess, todo, counts)
         worker = self._pool_worker()
         for group, is_staged in ((staged, True), (direct, False)):
             if not group or time.monotonic() >= deadline:
                 continue
-            prepare = self._prepare_staged_put if is_staged else self._prepare_direct_put
+            prepare = partial(self._prepare_staged_put if is_staged else self._prepare_direct_put, sess)
             native = self._native_put_staged if is_staged else self._native_put_direct
 
             def finish(sub: list[_Job], prep: _Sub, rcs: list[int] | None) -> None:
@@ -316,10 +479,10 @@ class MooncakeBackend(StorageBackend):
 
             pipeline.run(self._subs(group, is_staged), prepare, native, finish, self._release, worker, deadline)
 
-    def _prepare_staged_put(self, jobs: list[_Job]) -> _Sub:
+    def _prepare_staged_put(self, sess: Session, jobs: list[_Job]) -> _Sub:
         sizes = [HEADER_SIZE + j.nbytes for j in jobs]
-        arena = self._mem.borrow(sum(sizes))
-        sub = _Sub(jobs, arena, sizes=sizes)
+        arena = sess.mem.borrow(sum(sizes))
+        sub = _Sub(jobs, sess, arena, sizes=sizes)
         mv, base, off = arena.view, arena.ptr, 0
         memmove = ctypes.memmove
         for job, size in zip(jobs, sizes, strict=True):
@@ -327,29 +490,29 @@ class MooncakeBackend(StorageBackend):
             for b in job.page.buffers:
                 memmove(dst, b.ptr, b.nbytes)
                 dst += b.nbytes
-            mv[off : off + HEADER_SIZE] = self._header(job, [mv[off + HEADER_SIZE : off + size]])
+            mv[off : off + HEADER_SIZE] = self._header(sess, job, [mv[off + HEADER_SIZE : off + size]])
             sub.ptrs.append(base + off)
             off += size
         return sub
 
-    def _prepare_direct_put(self, jobs: list[_Job]) -> _Sub:
-        arena = self._mem.borrow(HEADER_SIZE * len(jobs))
-        sub = _Sub(jobs, arena)
+    def _prepare_direct_put(self, sess: Session, jobs: list[_Job]) -> _Sub:
+        arena = sess.mem.borrow(HEADER_SIZE * len(jobs))
+        sub = _Sub(jobs, sess, arena)
         mv, base = arena.view, arena.ptr
         for n, job in enumerate(jobs):
             page = job.page
             off = n * HEADER_SIZE
-            mv[off : off + HEADER_SIZE] = self._header(job, None)
+            mv[off : off + HEADER_SIZE] = self._header(sess, job, None)
             sub.ptrs.append([base + off, *(b.ptr for b in page.buffers)])
             sub.sizes.append([HEADER_SIZE, *(b.nbytes for b in page.buffers)])
         return sub
 
     def _native_put_staged(self, sub: _Sub) -> list[int]:
-        return list(self._store.batch_put_from([j.key for j in sub.jobs], sub.ptrs, sub.sizes, self._cfg))
+        return list(sub.sess.native.batch_put_from([j.key for j in sub.jobs], sub.ptrs, sub.sizes, self._cfg))
 
     def _native_put_direct(self, sub: _Sub) -> list[int]:
-        return list(self._store.batch_put_from_multi_buffers([j.key for j in sub.jobs], sub.ptrs, sub.sizes,
-                                                             self._cfg))
+        return list(sub.sess.native.batch_put_from_multi_buffers([j.key for j in sub.jobs], sub.ptrs, sub.sizes,
+                                                                 self._cfg))
 
     def _finish_put(
         self, jobs: list[_Job], rcs: list[int] | None, results: dict[PoolKind, list[PageResult]],
@@ -372,14 +535,15 @@ class MooncakeBackend(StorageBackend):
         return self._each_chunk("get", self._get_chunk, transfers, deadline)
 
     def _get_chunk(
-        self, chunk: list[_Job], results: dict[PoolKind, list[PageResult]], deadline: float, counts: Counter[str]
+        self, sess: Session, chunk: list[_Job], results: dict[PoolKind, list[PageResult]], deadline: float,
+        counts: Counter[str],
     ) -> None:
-        staged, direct = self._split(chunk, counts)
+        staged, direct = self._split(sess, chunk, counts)
         worker = self._pool_worker()
         for group, is_staged in ((staged, True), (direct, False)):
             if not group or time.monotonic() >= deadline:
                 continue
-            prepare = self._prepare_staged_get if is_staged else self._prepare_direct_get
+            prepare = partial(self._prepare_staged_get if is_staged else self._prepare_direct_get, sess)
             native = self._native_get_staged if is_staged else self._native_get_direct
 
             def finish(jobs: list[_Job], sub: _Sub, rcs: list[int] | None, staged: bool = is_staged) -> None:
@@ -387,19 +551,19 @@ class MooncakeBackend(StorageBackend):
 
             pipeline.run(self._subs(group, is_staged), prepare, native, finish, self._release, worker, deadline)
 
-    def _prepare_staged_get(self, jobs: list[_Job]) -> _Sub:
+    def _prepare_staged_get(self, sess: Session, jobs: list[_Job]) -> _Sub:
         sizes = [HEADER_SIZE + j.nbytes for j in jobs]
-        arena = self._mem.borrow(sum(sizes))
-        sub = _Sub(jobs, arena, sizes=sizes)
+        arena = sess.mem.borrow(sum(sizes))
+        sub = _Sub(jobs, sess, arena, sizes=sizes)
         off = 0
         for size in sizes:
             sub.ptrs.append(arena.ptr + off)
             off += size
         return sub
 
-    def _prepare_direct_get(self, jobs: list[_Job]) -> _Sub:
-        arena = self._mem.borrow(HEADER_SIZE * len(jobs))
-        sub = _Sub(jobs, arena)
+    def _prepare_direct_get(self, sess: Session, jobs: list[_Job]) -> _Sub:
+        arena = sess.mem.borrow(HEADER_SIZE * len(jobs))
+        sub = _Sub(jobs, sess, arena)
         for n, job in enumerate(jobs):
             bufs = job.page.buffers
             sub.ptrs.append([arena.ptr + n * HEADER_SIZE, *(b.ptr for b in bufs)])
@@ -407,10 +571,10 @@ class MooncakeBackend(StorageBackend):
         return sub
 
     def _native_get_staged(self, sub: _Sub) -> list[int]:
-        return list(self._store.batch_get_into([j.key for j in sub.jobs], sub.ptrs, sub.sizes))
+        return list(sub.sess.native.batch_get_into([j.key for j in sub.jobs], sub.ptrs, sub.sizes))
 
     def _native_get_direct(self, sub: _Sub) -> list[int]:
-        return list(self._store.batch_get_into_multi_buffers([j.key for j in sub.jobs], sub.ptrs, sub.sizes))
+        return list(sub.sess.native.batch_get_into_multi_buffers([j.key for j in sub.jobs], sub.ptrs, sub.sizes))
 
     def _finish_get(
         self, sub: _Sub, rcs: list[int] | None, staged: bool, results: dict[PoolKind, list[PageResult]],
@@ -442,20 +606,20 @@ class MooncakeBackend(StorageBackend):
                 off += HEADER_SIZE + job.nbytes
             elif res is None:
                 hoff = n * HEADER_SIZE
-                res = self._check(job, mv[hoff : hoff + HEADER_SIZE], self._payload_views(job.page))
+                res = self._check(job, mv[hoff : hoff + HEADER_SIZE], self._payload_views(sub.sess, job.page))
             if res is OK and job.page.header is not None:
                 hoff = off - HEADER_SIZE - job.nbytes if staged else n * HEADER_SIZE
                 job.page.header.view()[:] = mv[hoff : hoff + HEADER_SIZE]
             results[job.pool][job.index] = res
             counts[_STAT[res]] += 1
 
-    def _header(self, job: _Job, payload: list[memoryview] | None) -> bytes | memoryview:
+    def _header(self, sess: Session, job: _Job, payload: list[memoryview] | None) -> bytes | memoryview:
         """The header stored with a page: the core's (made before the call from the bytes handed
         over, so a late read of reused memory never matches it), or one made here."""
         page = job.page
         if page.header is not None:
             return page.header.view()
-        return make_header(page.key, page.namespace, job.pool, payload or self._payload_views(page))
+        return make_header(page.key, page.namespace, job.pool, payload or self._payload_views(sess, page))
 
     def _check(self, job: _Job, header: memoryview, payload: list[memoryview]) -> PageResult:
         """``OK`` when the stored header is exactly the one these payload bytes, key, namespace and
@@ -475,19 +639,21 @@ class MooncakeBackend(StorageBackend):
     @hookimpl
     def page_exists(self, queries: Mapping[PoolKind, Sequence[str]], deadline: float) -> dict[PoolKind, int]:
         out = {pool: 0 for pool in queries}
-        if not any(queries.values()) or not self._open():
+        sess = self._sess
+        if not any(queries.values()) or not self._up(sess):
             return out
         prefix = self.opts.key_prefix
         keys = [prefix + k for ks in queries.values() for k in ks]
         rcs: list[int] = []
-        for start in range(0, len(keys), EXIST_BATCH_KEYS):
-            if time.monotonic() >= deadline or self._breaker.down:
-                break
-            try:
-                rcs += self._exist(keys[start : start + EXIST_BATCH_KEYS])
-            except Exception as exc:  # noqa: BLE001 (an error counts as "not stored")
-                self._note(f"exist:{type(exc).__name__}", "mooncake exist failed: %s", exc)
-                break
+        with sess.call(deadline):
+            for start in range(0, len(keys), EXIST_BATCH_KEYS):
+                if time.monotonic() >= deadline or self._breaker.down:
+                    break
+                try:
+                    rcs += self._exist(sess, keys[start : start + EXIST_BATCH_KEYS])
+                except Exception as exc:  # noqa: BLE001 (an error counts as "not stored")
+                    self._note(f"exist:{type(exc).__name__}", "mooncake exist failed: %s", exc)
+                    break
         start = 0
         for pool, ks in queries.items():
             mine = rcs[start : start + len(ks)]
@@ -502,21 +668,24 @@ class MooncakeBackend(StorageBackend):
                 return
             self._closed = True
             worker, self._worker = self._worker, None
+        self._breaker.close()
         if worker is not None:
             worker.shutdown(wait=True)
-        self._mem.release()
-        try:
-            self._store.close()
-        except Exception as exc:  # noqa: BLE001
-            log.warning("mooncake close failed: %s", exc)
+        self._link.release(DRAIN_S)
+
+    @property
+    def registered_buffers(self) -> int:
+        """How many buffers are registered with the native client now (0 after close)."""
+        return len(self._sess.mem.registered())
 
     # -- introspection (tests, CLI) ----------------------------------------------------------
     def in_shared_memory(self, ptr: int, nbytes: int) -> bool:
         """Whether ``[ptr, ptr + nbytes)`` is shared-memory-pool memory this backend handed out
         (always False in TCP mode)."""
-        return self._mem.shm and self._mem.contains(ptr, nbytes)
+        mem = self._sess.mem
+        return mem.shm and mem.contains(ptr, nbytes)
 
     @property
     def native(self) -> Any:  # noqa: ANN401 (the native client has no type stubs)
-        """The underlying ``MooncakeDistributedStore`` (benchmarks and tests)."""
-        return self._store
+        """The underlying ``MooncakeDistributedStore`` of the current session (benchmarks and tests)."""
+        return self._sess.native

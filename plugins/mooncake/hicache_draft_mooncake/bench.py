@@ -48,7 +48,7 @@ from hicache_draft import (
     make_key,
 )
 from hicache_draft.pools import HostPool, PoolSpec
-from hicache_draft_mooncake.client import connect
+from hicache_draft_mooncake.client import new_client
 from hicache_draft_mooncake.options import MooncakeOptions
 from hicache_draft_mooncake.service import MooncakeService
 
@@ -187,7 +187,7 @@ def run_case(svc: MooncakeService, mode: str, page_nbytes: int, pages: int, roun
     total = pages * page
     data = torch.randint(0, 256, (pages * page,), dtype=torch.uint8)
     cfg = ReplicateConfig()
-    base = connect(MooncakeOptions.model_validate(svc.backend_options()))
+    base = new_client(MooncakeOptions.model_validate(svc.backend_options()))
     plugins: list[_Plugin] = []
     held: list[tuple[Any, int, Any]] = []  # (client, ptr, keep-alive) registered for the native ceiling
     try:
@@ -207,7 +207,7 @@ def run_case(svc: MooncakeService, mode: str, page_nbytes: int, pages: int, roun
             plugins = [_Plugin("plugin", opts, spec, pages, data)]
             ceiling_client, staged = plugins[0].store.backend.native, False  # type: ignore[attr-defined]
             ceiling_pools = (plugins[0].src, plugins[0].dst)
-        mem = plugins[0].store.backend._mem  # type: ignore[attr-defined]
+        mem = plugins[0].store.backend._sess.mem  # type: ignore[attr-defined]
         areas = []
         for _ in range(2):
             if ceiling_client is base:

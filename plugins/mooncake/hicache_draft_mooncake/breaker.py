@@ -1,63 +1,103 @@
-"""A small circuit breaker: after the master fails to answer, stop calling it for a while.
+"""A circuit breaker whose recovery probes run on a background thread, never in a caller's.
 
-A dead master costs about 4.3 s per data call (the client's reconnect backoff). Once a call has
-seen an RPC failure, the backend answers at once (misses / failures) for ``retry_interval_s``;
-after that, one caller probes with a cheap existence call and, if the master answers, normal
-service resumes.
+When a call sees the store fail in a way that means "down" (the master or the holder did not
+answer, a native call outlived its deadline, the holder lost this client's shared memory), the
+backend *trips* the breaker: from then on every call answers at once (failures / misses) without
+touching the store. A daemon prober thread then runs ``probe`` (a real put/get round trip, and in
+shared-memory mode a reconnect when that is what is broken) every ``retry_interval_s`` until it
+succeeds, and resets the breaker: the next call goes to the store again, and works.
+
+A dead master costs a native call about 4.3 s and a stopped holder 30 s; only the prober waits
+that long.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 
+log = logging.getLogger("hicache_draft_mooncake")
+
 
 class Breaker:
-    def __init__(self, retry_interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    """``down`` while the store is known to be unusable; ``probe`` runs on the prober thread.
+
+    ``probe()`` returns whether the store works again; an exception counts as "not yet".
+    ``trip(now=True)`` asks for a probe at once instead of after ``retry_interval_s`` (used for a
+    suspicion that one round trip settles, e.g. a possibly lost shared-memory mapping).
+    """
+
+    def __init__(self, retry_interval_s: float, probe: Callable[[], bool], name: str = "mooncake") -> None:
         self.retry_interval_s = retry_interval_s
-        self._clock = clock
+        self._probe = probe
+        self._name = name
         self._lock = threading.Lock()
+        self._wake = threading.Event()
         self._down_since: float | None = None
-        self._retry_at = 0.0
-        self._probing = False
+        self._probe_now = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
         self.trips = 0
+        self.probes = 0
 
     @property
     def down(self) -> bool:
         return self._down_since is not None
 
-    def trip(self) -> None:
-        """The master did not answer."""
-        with self._lock:
-            now = self._clock()
-            if self._down_since is None:
-                self._down_since = now
-                self.trips += 1
-            self._retry_at = now + self.retry_interval_s
-            self._probing = False
+    @property
+    def down_for_s(self) -> float:
+        """Seconds since the breaker tripped (0.0 while up)."""
+        since = self._down_since
+        return 0.0 if since is None else time.monotonic() - since
 
-    def reset(self) -> None:
-        """The master answered."""
+    def trip(self, now: bool = False) -> bool:
+        """Mark the store down and make sure the prober runs; whether this call tripped it."""
         with self._lock:
-            self._down_since = None
-            self._probing = False
-
-    def allow(self, probe: Callable[[], bool]) -> bool:
-        """Whether a call may go to the master now. When down and the interval has passed, run
-        ``probe`` (returns whether the master answered) in this caller, one caller at a time."""
-        with self._lock:
-            if self._down_since is None:
-                return True
-            if self._probing or self._clock() < self._retry_at:
+            if self._closed:
                 return False
-            self._probing = True
-        ok = False
-        try:
-            ok = probe()
-        finally:
+            first = self._down_since is None
+            if first:
+                self._down_since = time.monotonic()
+                self.trips += 1
+                self._probe_now = now
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=f"{self._name}-prober", daemon=True)
+                self._thread.start()
+        if first and now:
+            self._wake.set()
+        return first
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or self._down_since is None:
+                    self._thread = None
+                    return
+                now, self._probe_now = self._probe_now, False
+            if not now:
+                self._wake.wait(self.retry_interval_s)
+            self._wake.clear()
+            with self._lock:
+                if self._closed:
+                    self._thread = None
+                    return
+            self.probes += 1
+            try:
+                ok = bool(self._probe())
+            except Exception as exc:  # noqa: BLE001 (a probe that raises means "not yet")
+                log.debug("%s: probe raised %s: %s", self._name, type(exc).__name__, exc)
+                ok = False
             if ok:
-                self.reset()
-            else:
-                self.trip()
-        return ok
+                with self._lock:
+                    self._down_since = None
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop the prober (waits at most ``timeout_s`` for a probe in progress; it is a daemon)."""
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)

@@ -1,5 +1,15 @@
-"""Building a Mooncake store client: environment defaults, a reachability check, ``setup`` or
-``setup_dummy``, and a setup error that says what to check.
+"""Building a Mooncake store client: environment defaults, bounded checks of every component the
+client needs (master, segment holder, metadata server), ``setup`` or ``setup_dummy``, and errors
+that name the component, its address and what to check.
+
+Why the checks come first: ``setup`` and ``setup_dummy`` hold the GIL, so they cannot be bounded
+from Python, and ``setup_dummy`` waits 30 s on a holder that accepts connections but does not
+answer (a stopped process, or a port that is not a ``mooncake_client``). So before calling them
+the client checks, each within ``connect_timeout_s``, that the master (and in shared-memory mode
+the holder) accepts a TCP connection AND answers one coro_rpc request (Mooncake's RPC protocol;
+an unknown function id gets an error reply, which proves the process is alive), and that an HTTP
+metadata server answers HTTP. What remains unbounded is a process that freezes in the few
+milliseconds between its check and ``setup``.
 
 Environment (read by the Mooncake library; the backend sets these with ``os.environ.setdefault``
 before it imports ``mooncake.store``, so a value already in the environment wins):
@@ -18,10 +28,20 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import struct
+import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 from hicache_draft import BackendSetupError
 from hicache_draft_mooncake.options import MooncakeOptions
+
+_RPC_MAGIC = 21
+# A coro_rpc request header (magic, version, serialize type, message type, sequence number,
+# function id, body length, attachment length) for function id 0, which no server registers:
+# a live server answers "function not registered".
+_RPC_PING = struct.pack("<BBBBIIII", _RPC_MAGIC, 0, 0, 0, 1, 0, 0, 0)
 
 
 def apply_env_defaults(opts: MooncakeOptions) -> None:
@@ -35,34 +55,88 @@ def apply_env_defaults(opts: MooncakeOptions) -> None:
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", opts.local_hostname)
 
 
-def _reachable(address: str, timeout_s: float) -> str | None:
-    """``None`` when ``host:port`` accepts a TCP connection, else the reason."""
+def rpc_check(address: str, timeout_s: float) -> str | None:
+    """``None`` when ``host:port`` accepts a TCP connection and answers a coro_rpc request within
+    ``timeout_s`` (in total); otherwise what went wrong, in words."""
     host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return None
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+    except TimeoutError:
+        return f"did not accept a TCP connection within {timeout_s:g}s"
     except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return f"is not reachable ({exc.strerror or exc})"
+    with sock:
+        try:
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
+            sock.sendall(_RPC_PING)
+            reply = sock.recv(64)
+        except TimeoutError:
+            return (f"accepts connections but did not answer an RPC within {timeout_s:g}s (a stopped or hung "
+                    "process, or a port that is not a Mooncake service)")
+        except OSError as exc:
+            return f"dropped the connection ({exc.strerror or exc})"
+    if not reply:
+        return "closed the connection without answering an RPC (not a Mooncake service?)"
+    if reply[0] != _RPC_MAGIC:
+        return "answered, but not in Mooncake's RPC protocol (another service on this port?)"
+    return None
 
 
-def _setup_error(opts: MooncakeOptions, what: str) -> BackendSetupError:
+def metadata_check(url: str, timeout_s: float) -> str | None:
+    """``None`` when the HTTP metadata server at ``url`` answers HTTP within ``timeout_s`` (any
+    status: an unknown key is a 404); otherwise what went wrong. Other kinds are not checked."""
+    if not url.startswith(("http://", "https://")):
+        return None
+    try:
+        with urllib.request.urlopen(f"{url}?key=hicache-draft-check", timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, TimeoutError):
+            return f"did not answer within {timeout_s:g}s"
+        return f"is not reachable ({getattr(reason, 'strerror', None) or reason})"
+
+
+def component_error(opts: MooncakeOptions, component: str, address: str, what: str) -> BackendSetupError:
+    """A setup error naming the component, its address and what the operator should check."""
+    hints = {
+        "master": f"check that mooncake_master runs and listens at {address} (--rpc_port, --rpc_address)",
+        "holder": (f"check that a mooncake_client segment holder runs on this host with --host/--port {address} "
+                   f"and is connected to the master at {opts.master_server_address}"),
+        "metadata server": (f"check the metadata_server option ({address}): the master serves it with "
+                            "--enable_http_metadata_server=true on --http_metadata_server_port"),
+    }
+    return BackendSetupError(f"mooncake backend: the {component} at {address} {what}; "
+                             f"{hints.get(component, 'check the Mooncake processes')}")
+
+
+def check_components(opts: MooncakeOptions) -> None:
+    """Raise :class:`BackendSetupError` naming the first component that is down, frozen or not a
+    Mooncake service (holder first in shared-memory mode, then master, then metadata server).
+    Each check is bounded by ``connect_timeout_s``."""
+    timeout = opts.connect_timeout_s
     if opts.shm:
-        hint = (
-            f"check that a mooncake_client segment holder runs on this host at {opts.shm_client_address} "
-            f"(its --host/--port) and is connected to the master at {opts.master_server_address}"
-        )
-    else:
-        hint = (
-            f"check that mooncake_master runs and listens at {opts.master_server_address} (--rpc_port, "
-            f"--rpc_address), that the metadata server {opts.metadata_server} answers (master flag "
-            f"--enable_http_metadata_server), that at least one segment holder is mounted, and that "
-            f"MC_TCP_BIND_ADDRESS / local_hostname ({opts.local_hostname}) is an address peers can reach"
-        )
-    return BackendSetupError(f"mooncake backend: {what}; {hint}")
+        assert opts.shm_client_address is not None
+        why = rpc_check(opts.shm_client_address, timeout)
+        if why is not None:
+            raise component_error(opts, "holder", opts.shm_client_address, why)
+        return  # the holder talks to the master and the metadata server, not this process
+    why = rpc_check(opts.master_server_address, timeout)
+    if why is not None:
+        raise component_error(opts, "master", opts.master_server_address, why)
+    why = metadata_check(opts.metadata_server, timeout)
+    if why is not None:
+        raise component_error(opts, "metadata server", opts.metadata_server, why)
 
 
-def connect(opts: MooncakeOptions) -> Any:
-    """A set-up ``MooncakeDistributedStore``; :class:`BackendSetupError` naming what to check."""
+def new_client(opts: MooncakeOptions) -> Any:  # noqa: ANN401 (the native client has no type stubs)
+    """A set-up ``MooncakeDistributedStore``; :class:`BackendSetupError` naming what to check.
+
+    Bounded by about ``connect_timeout_s`` per checked component plus the time of ``setup``
+    itself (a few ms to tens of ms on a healthy store; see the module docstring)."""
     apply_env_defaults(opts)
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -71,21 +145,24 @@ def connect(opts: MooncakeOptions) -> Any:
             f"mooncake backend: cannot import mooncake.store ({exc}); install 'hicache-draft-mooncake[cpu]' "
             "(needs Debian's libibverbs1: apt-get install libibverbs1) or 'hicache-draft-mooncake[cuda]'"
         ) from None
-    target = opts.shm_client_address if opts.shm else opts.master_server_address
-    why = _reachable(target, opts.connect_timeout_s)  # type: ignore[arg-type]
-    if why is not None:
-        role = "the local mooncake_client" if opts.shm else "the master"
-        raise _setup_error(opts, f"{role} at {target} is unreachable ({why})")
+    check_components(opts)
     store = MooncakeDistributedStore()
     if opts.shm:
+        assert opts.shm_client_address is not None
         rc = store.setup_dummy(opts.shm_pool_size, opts.local_buffer_size, opts.shm_client_address)
-        call = f"setup_dummy(pool {opts.shm_pool_size} bytes, client {opts.shm_client_address})"
-    else:
-        rc = store.setup(
-            opts.local_hostname, opts.metadata_server, opts.global_segment_size, opts.local_buffer_size,
-            opts.protocol, opts.rdma_devices, opts.master_server_address,
-        )
-        call = f"setup(master {opts.master_server_address}, metadata {opts.metadata_server}, protocol {opts.protocol})"
+        if rc != 0:
+            raise component_error(opts, "holder", opts.shm_client_address,
+                                  f"answers RPCs but refused the shared-memory client (setup_dummy returned {rc})")
+        return store
+    rc = store.setup(
+        opts.local_hostname, opts.metadata_server, opts.global_segment_size, opts.local_buffer_size,
+        opts.protocol, opts.rdma_devices, opts.master_server_address,
+    )
     if rc != 0:
-        raise _setup_error(opts, f"{call} returned {rc}")
+        raise BackendSetupError(
+            f"mooncake backend: setup(master {opts.master_server_address}, metadata {opts.metadata_server}, "
+            f"protocol {opts.protocol}) returned {rc} although the master answers; check that "
+            f"MC_TCP_BIND_ADDRESS / local_hostname ({opts.local_hostname}) is an address of this host that peers "
+            "can reach, and the master's log"
+        )
     return store

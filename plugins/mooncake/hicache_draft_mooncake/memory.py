@@ -56,9 +56,11 @@ class Memory:
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._views: list[memoryview] = []
-        self._registered: list[int] = []
+        self._registered: dict[int, int] = {}  # ptr -> nbytes
         self._owned: list[object] = []
         self._free: dict[int, list[Arena]] = {}
+        self._arenas: list[Arena] = []
+        self.host_bytes = 0  # bytes handed out for host pools (host_memory hook)
 
     # -- ranges ------------------------------------------------------------------------------
     def _add_range(self, ptr: int, nbytes: int, view: memoryview) -> None:
@@ -105,6 +107,13 @@ class Memory:
         return out
 
     # -- allocation --------------------------------------------------------------------------
+    def allocate_host(self, nbytes: int) -> tuple[int, ctypes.Array[ctypes.c_ubyte]]:
+        """Registered memory for a host pool (counted in :attr:`host_bytes`)."""
+        out = self.allocate(nbytes)
+        with self._lock:
+            self.host_bytes += nbytes
+        return out
+
     def allocate(self, nbytes: int) -> tuple[int, ctypes.Array[ctypes.c_ubyte]]:
         """``nbytes`` of registered memory (from the shared pool in shm mode)."""
         if nbytes < 1:
@@ -126,7 +135,7 @@ class Memory:
             self._owned.append(arr)
             self._add_range(ptr, nbytes, memoryview(arr).cast("B"))
             if rc == 0:
-                self._registered.append(ptr)
+                self._registered[ptr] = nbytes
         return ptr, arr
 
     def register_external(self, ptr: int, nbytes: int) -> bool:
@@ -142,7 +151,7 @@ class Memory:
         with self._lock:
             self._add_range(ptr, nbytes, _view_at(ptr, nbytes))
             if rc == 0:
-                self._registered.append(ptr)
+                self._registered[ptr] = nbytes
         if rc != 0:
             log.debug("mooncake register_buffer(%#x, %d) returned %d (fine over TCP)", ptr, nbytes, rc)
         return True
@@ -159,6 +168,8 @@ class Memory:
         if arena is None:
             ptr, arr = self.allocate(size)
             arena = Arena(ptr, size, memoryview(arr).cast("B"))
+            with self._lock:
+                self._arenas.append(arena)
         return arena
 
     def give_back(self, arena: Arena) -> None:
@@ -174,14 +185,52 @@ class Memory:
         finally:
             self.give_back(a)
 
-    def release(self) -> None:
-        """Unregister everything (before the client closes)."""
+    def release(self) -> int:
+        """Unregister everything this module registered (before the client closes); how many
+        ``unregister_buffer`` calls failed. The memory itself stays mapped: host pools built on
+        it may still be in use."""
         with self._lock:
-            ptrs, self._registered = self._registered, []
+            ptrs, self._registered = list(self._registered), {}
             self._free.clear()
             self._starts.clear()
             self._ends.clear()
             self._views.clear()
+        failed = 0
         for ptr in ptrs:
-            with contextlib.suppress(Exception):
-                self._store.unregister_buffer(ptr)
+            try:
+                rc = self._store.unregister_buffer(ptr)
+            except Exception:  # noqa: BLE001 (closing: count it, carry on)
+                rc = -1
+            if rc != 0:
+                failed += 1
+                log.debug("mooncake unregister_buffer(%#x) returned %s", ptr, rc)
+        return failed
+
+    def registered(self) -> list[tuple[int, int]]:
+        """``(ptr, nbytes)`` of every buffer registered with the client now."""
+        with self._lock:
+            return list(self._registered.items())
+
+    def discard_arenas(self) -> int:
+        """Give the pages of this module's own shared-memory arenas back to the system (after a
+        holder restart made them useless: Mooncake offers no way to free or re-register them).
+        The mappings stay valid (they read as zeros); host pool memory is never touched.
+        Returns the bytes given back."""
+        if not self.shm:
+            return 0
+        with self._lock:
+            arenas, self._arenas = self._arenas, []
+            self._free.clear()
+        madvise = getattr(_libc(), "madvise", None)
+        done = 0
+        for a in arenas:
+            if madvise is not None and madvise(ctypes.c_void_p(a.ptr), ctypes.c_size_t(a.size), _MADV_REMOVE) == 0:
+                done += a.size
+        return done
+
+
+_MADV_REMOVE = 9
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)

@@ -104,6 +104,7 @@ class ManagedProcess:
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGTERM)
+                os.kill(self.pid, signal.SIGCONT)  # a stopped (frozen) process only sees SIGTERM once resumed
             try:
                 self.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -111,6 +112,15 @@ class ManagedProcess:
                     os.kill(self.pid, signal.SIGKILL)
                 self.popen.wait(timeout=timeout_s)
         self.log_file.close()
+
+    def freeze(self) -> None:
+        """SIGSTOP by pid: the process keeps its ports (the kernel still accepts connections) but
+        answers nothing (failure tests)."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT by pid."""
+        os.kill(self.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL by pid (failure tests)."""
@@ -160,6 +170,7 @@ class MooncakeService:
     client_port: int
     segment_size: int
     lease_ttl_ms: int = 500
+    client_ttl_s: int | None = None
     master: ManagedProcess | None = None
     holder: ManagedProcess | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
@@ -197,14 +208,18 @@ class MooncakeService:
         segment_size: int = 1 << 30,
         lease_ttl_ms: int = 500,
         timeout_s: float = READY_TIMEOUT_S,
+        client_ttl_s: int | None = None,
     ) -> MooncakeService:
-        """Start master then holder on free ports, and wait (bounded) until both listen."""
+        """Start master then holder on free ports, and wait (bounded) until both listen.
+
+        ``client_ttl_s``: the master's ``--client_ttl`` (default 10 s): how long a dead holder's
+        segment stays mounted (puts placed on it fail with TRANSFER_FAIL until then)."""
         tmp = None
         if workdir is None:
             tmp = tempfile.TemporaryDirectory(prefix="hicache-draft-mooncake-")
             workdir = tmp.name
         rpc, http, metrics, client = free_ports(4)
-        svc = cls(Path(workdir), rpc, http, metrics, client, segment_size, lease_ttl_ms, _tmp=tmp)
+        svc = cls(Path(workdir), rpc, http, metrics, client, segment_size, lease_ttl_ms, client_ttl_s, _tmp=tmp)
         svc.workdir.mkdir(parents=True, exist_ok=True)
         try:
             svc.start_master(timeout_s)
@@ -228,6 +243,8 @@ class MooncakeService:
             f"--default_kv_lease_ttl={self.lease_ttl_ms}",
             "--logtostderr=true",
         ]
+        if self.client_ttl_s is not None:
+            argv.append(f"--client_ttl={self.client_ttl_s}")
         self.master = _start("mooncake_master", argv, self.workdir, mooncake_env())
         _wait_listening(self.master, [self.rpc_port, self.http_port], timeout_s)
 

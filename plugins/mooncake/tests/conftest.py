@@ -1,4 +1,5 @@
-"""Helpers shared by the mooncake backend tests (fixtures come from hicache_draft_mooncake.pytest_plugin)."""
+"""Helpers shared by the mooncake backend tests. The store fixtures are opt-in (no pytest11 entry
+point): this directory loads them from hicache_draft_mooncake.pytest_plugin explicitly."""
 
 import ctypes
 import secrets
@@ -10,6 +11,8 @@ import torch
 from hicache_draft import Attention, Layout, Page, PageTransfer, PoolKind, PoolRegistration, Store
 from hicache_draft.keys import make_key, pool_identities
 from hicache_draft.pools import HostPool, PoolSpec
+
+pytest_plugins = ["hicache_draft_mooncake.pytest_plugin"]
 
 PAGE_SIZE = 4
 

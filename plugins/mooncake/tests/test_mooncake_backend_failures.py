@@ -1,6 +1,8 @@
 """Failures: master killed and restarted mid-run, segment holder killed, setup errors, bad options.
 Every failure gives bounded misses/failures, nothing raises out of the hooks, nothing stale is OK."""
 
+import logging
+import re
 import time
 
 import pytest
@@ -41,7 +43,7 @@ def test_master_killed_then_restarted(mooncake_service_factory, new_groups):
         svc.master.kill()
         got, done = store.page_get([r.transfer(r.pages(old, [2, 3]))])
         assert done.done() and OK not in got[PoolKind.KV]
-        assert store.backend.stats["master_unreachable"] >= 1
+        assert store.backend.stats["outages"] == 1
         # while the master is down, calls are answered at once (no new native data call)
         assert store.page_exists({PoolKind.KV: [p.key for p in w.pages(old, [0, 1])]}) == {PoolKind.KV: 0}
         assert OK not in store.page_set([w.transfer(w.pages(new_groups(1), [4]))])[PoolKind.KV]
@@ -54,8 +56,9 @@ def test_master_killed_then_restarted(mooncake_service_factory, new_groups):
         store.close()
 
 
-def test_segment_holder_killed_gives_misses_never_stale_data(mooncake_service_factory, new_groups):
-    svc = mooncake_service_factory()
+def test_segment_holder_killed_gives_misses_never_stale_data(mooncake_service_factory, new_groups, caplog):
+    caplog.set_level(logging.WARNING, logger="hicache_draft_mooncake")
+    svc = mooncake_service_factory(client_ttl_s=2)
     tcp = Store.open("mooncake", svc.backend_options())
     shm = Store.open("mooncake", {**svc.backend_options(shm=True), "shm_pool_size": 16 << 20})
     try:
@@ -69,6 +72,12 @@ def test_segment_holder_killed_gives_misses_never_stale_data(mooncake_service_fa
             r = make_rig()
             got, done = store.page_get([r.transfer(r.pages(g, [3, 4, 5]))])
             assert done.done() and OK not in got[PoolKind.KV]
+        # the shared-memory client names the dead holder (not the master) with its address and code
+        deadline = time.monotonic() + 10.0
+        while "holder at" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert f"the holder at {svc.holder_address} is not reachable" in caplog.text
+        assert re.search(r"got [A-Z_]+ \(-\d+\)", caplog.text)
 
         svc.start_holder()  # a new, empty holder
         assert _until_round_trip(tcp, w, new_groups) is not None
@@ -86,7 +95,28 @@ def test_setup_failure_names_the_master_and_what_to_check():
         Store.open("mooncake", {"master_server_address": f"127.0.0.1:{port}",
                                 "metadata_server": "http://127.0.0.1:1/metadata", "connect_timeout_s": 0.5})
     msg = str(err.value)
-    assert f"127.0.0.1:{port}" in msg and "unreachable" in msg and "check that mooncake_master runs" in msg
+    assert f"the master at 127.0.0.1:{port} is not reachable" in msg and "check that mooncake_master runs" in msg
+
+
+def test_missing_metadata_server_is_called_out_at_open(mooncake_service):
+    """Holders that publish to the master's HTTP metadata server, a client left on the default
+    P2PHANDSHAKE: every put would fail with TRANSFER_FAIL; the open says why instead."""
+    opts = {k: v for k, v in mooncake_service.backend_options().items() if k != "metadata_server"}
+    with pytest.raises(BackendSetupError) as err:
+        Store.open("mooncake", opts)
+    msg = str(err.value)
+    assert "TRANSFER_FAIL (-800)" in msg and "metadata_server is 'P2PHANDSHAKE'" in msg, msg
+
+
+def test_wrong_metadata_server_is_named(mooncake_service):
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}/metadata"
+    start = time.monotonic()
+    with pytest.raises(BackendSetupError) as err:
+        Store.open("mooncake", {**mooncake_service.backend_options(), "metadata_server": url,
+                                "connect_timeout_s": 1.0})
+    assert time.monotonic() - start < 4.0
+    assert f"the metadata server at {url} is not reachable" in str(err.value), str(err.value)
 
 
 def test_shm_setup_failure_names_the_local_client(mooncake_service):

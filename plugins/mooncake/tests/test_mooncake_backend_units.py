@@ -1,4 +1,7 @@
-"""Unit tests without a store: return-code mapping and the circuit breaker."""
+"""Unit tests without a store: return-code mapping and the circuit breaker's background prober."""
+
+import threading
+import time
 
 from hicache_draft_mooncake import codes
 from hicache_draft_mooncake.breaker import Breaker
@@ -29,31 +32,45 @@ def test_put_codes():
     assert codes.name(-704) == "OBJECT_NOT_FOUND (-704)" and codes.name(-12345) == "-12345"
 
 
-class Clock:
-    def __init__(self):
-        self.t = 100.0
+def _wait(cond, bound_s=5.0):
+    end = time.monotonic() + bound_s
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.01)
+    return cond()
 
-    def __call__(self):
-        return self.t
+
+def test_breaker_probes_on_its_own_thread_until_the_store_answers():
+    answers = [False, False, True]
+    seen = []
+
+    def probe():
+        seen.append(threading.current_thread().name)
+        return answers.pop(0)
+
+    b = Breaker(0.05, probe, name="t")
+    try:
+        assert not b.down and seen == []  # up: nothing runs
+        t = time.monotonic()
+        assert b.trip(now=True) and not b.trip()  # the first trip counts, later ones do not
+        assert time.monotonic() - t < 0.05  # tripping never waits for a probe
+        assert b.down
+        assert _wait(lambda: not b.down)
+        assert seen == ["t-prober"] * 3 and b.trips == 1 and b.probes == 3
+    finally:
+        b.close()
 
 
-def test_breaker_answers_at_once_while_down_then_probes():
-    clock = Clock()
-    b = Breaker(2.0, clock=clock)
-    probes = []
+def test_a_probe_that_raises_means_not_yet_and_close_stops_the_prober():
+    calls = []
 
-    def probe(ok):
-        def run():
-            probes.append(ok)
-            return ok
-        return run
+    def probe():
+        calls.append(1)
+        raise RuntimeError("boom")
 
-    assert b.allow(probe(True)) and probes == []  # up: no probe
-    b.trip()
-    assert b.down and not b.allow(probe(True)) and probes == []  # inside the interval
-    clock.t += 2.5
-    assert not b.allow(probe(False)) and probes == [False]  # probe failed: down again
-    assert not b.allow(probe(True)) and probes == [False]  # new interval
-    clock.t += 2.5
-    assert b.allow(probe(True)) and probes == [False, True] and not b.down
-    assert b.trips == 1
+    b = Breaker(0.02, probe)
+    b.trip(now=True)
+    assert _wait(lambda: len(calls) >= 3) and b.down
+    b.close()
+    n = len(calls)
+    time.sleep(0.1)
+    assert len(calls) <= n + 1 and not b.trip()  # closed: no more probes, no more trips

@@ -64,4 +64,40 @@ else
   fi
   echo "$fingerprint" > "$stamp"
 fi
+
+# SGLang's own controllers and host pools for tests/sglang_real (--test only): each older release in
+# its own --target directory (the pinned one is the venv's), the pure packages its modules import in a
+# shared directory that only those test processes put on sys.path (tests/sglang_real/bootstrap.py).
+SGLANG_RELEASES="0.5.18 0.5.19 0.5.21 0.5.22"
+SGLANG_OLD_HF="transformers==5.12.1 tokenizers==0.22.2 huggingface_hub>=1.5,<2"  # what 0.5.18-0.5.21 pin
+SGLANG_DEPS="numpy orjson psutil pybase64 pillow starlette msgspec pyzmq transformers==5.19.0 dill sentencepiece==0.2.1 gguf loguru openai==2.6.1"
+SGLANG_DEPS_NODEPS="compressed-tensors==0.18.0 apache-tvm-ffi==0.1.11 partial_json_parser xgrammar==0.2.1"
+if [ $want_test = 1 ]; then
+  sgdir="$VENV/sglang"
+  sgstamp="$sgdir/.setup"
+  sgprint=$(printf '%s|%s|%s|%s' "$SGLANG_RELEASES" "$SGLANG_OLD_HF" "$SGLANG_DEPS" "$SGLANG_DEPS_NODEPS" | sha256sum | cut -c1-16)
+  if [ -f "$sgstamp" ] && [ "$(cat "$sgstamp")" = "$sgprint" ]; then
+    say "SGLang releases for tests are up to date ($SGLANG_RELEASES)"
+  else
+    say "installing SGLang $SGLANG_RELEASES for tests (--no-deps, one directory each) and their module imports"
+    rm -rf "$sgdir" && mkdir -p "$sgdir"
+    quiet() { grep -v -e "dependency resolver" -e "requires" -e "incompatible" -e "Location" || true; }
+    "${PIP[@]}" --target "$sgdir/_deps" $SGLANG_DEPS 2>&1 | quiet
+    # shellcheck disable=SC2086
+    "${PIP[@]}" --no-deps --target "$sgdir/_deps" $SGLANG_DEPS_NODEPS 2>&1 | quiet
+    pids=()
+    for rel in $SGLANG_RELEASES; do
+      extra=""
+      case $rel in 0.5.18|0.5.19|0.5.20|0.5.21) extra=$SGLANG_OLD_HF;; esac
+      # shellcheck disable=SC2086
+      ("${PIP[@]}" --no-deps --target "$sgdir/$rel" "sglang==$rel" $extra 2>&1 | quiet) &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p"; done
+    for rel in $SGLANG_RELEASES; do
+      [ -d "$sgdir/$rel/sglang" ] || { echo "error: sglang $rel did not install into $sgdir/$rel" >&2; exit 1; }
+    done
+    echo "$sgprint" > "$sgstamp"
+  fi
+fi
 say "ready: $VENV/bin/hicache-draft ($("$VENV/bin/python" -c 'import hicache_draft; print(hicache_draft.__version__)'))"

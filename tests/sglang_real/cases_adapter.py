@@ -1,8 +1,8 @@
-"""Contract tests of the SGLang adapter against the real SGLang package (pinned 0.5.23, --no-deps).
+"""Contract tests of the SGLang adapter against the real SGLang package (the pinned release).
 
-SGLang's storage module is imported without running ``sglang/__init__.py``; the adapter is built
-through SGLang's own ``StorageBackendFactory`` dynamic path, and host pools are doubles shaped like
-SGLang's (``hicache_draft.integrations.sglang_doubles``).
+The adapter is built through SGLang's own ``StorageBackendFactory`` dynamic path and called the way
+SGLang calls it, over SGLang's own host pools (harness.py); the controllers' side is in
+cases_controllers.py.
 """
 
 from __future__ import annotations
@@ -12,16 +12,18 @@ import json
 import secrets
 import subprocess
 import sys
+from pathlib import Path
 
+import cases_controllers
+import harness as hr
 import pytest
 import torch
+from hicache_draft_mooncake.pytest_plugin import mooncake_service  # noqa: F401  (the fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_draft import Attention, Capabilities, PoolCapability, PoolKind, hookimpl, make_key, page_hashes
 from hicache_draft.errors import ConfigError, UnknownBackendError
-from hicache_draft.integrations.sglang_config import DOCUMENTED_EXTRA_CONFIG
-from hicache_draft.integrations.sglang_doubles import MHAHostPoolDouble, MLAHostPoolDouble
 from hicache_draft.integrations.sglang_loader import (
     TESTED_SGLANG_VERSION,
     load_backend_factory,
@@ -129,20 +131,21 @@ def build(extra, **kw):
     return adapter
 
 
-def mha(layout="page_first", layers=2, heads=2, seed=None):
-    pool = MHAHostPoolDouble(layer_num=layers, head_num=heads, head_dim=8, page_size=PS, num_pages=NUM_PAGES,
-                             layout=layout, dtype=torch.bfloat16)
+def _pool(shape, layout, seed):
+    pool = hr.host_pool(hr.device_pool(shape, NUM_PAGES * PS // 2, PS), layout, ratio=2.0)
     if seed is not None:
-        pool.fill_random(torch.Generator().manual_seed(seed))
+        hr.fill_random(pool, seed)
     return pool
+
+
+def mha(layout="page_first", layers=2, heads=2, seed=None):
+    """SGLang's MHA host pool (13 pages of 4 tokens)."""
+    return _pool(hr.Shape("mha", layers, heads=heads, head_dim=8), layout, seed)
 
 
 def mla(layout="page_first", layers=2, seed=None):
-    pool = MLAHostPoolDouble(layer_num=layers, kv_lora_rank=12, qk_rope_head_dim=4, page_size=PS,
-                             num_pages=NUM_PAGES, layout=layout, dtype=torch.bfloat16)
-    if seed is not None:
-        pool.fill_random(torch.Generator().manual_seed(seed))
-    return pool
+    """SGLang's MLA host pool (kv_lora_rank 12, qk_rope_head_dim 4)."""
+    return _pool(hr.Shape("mla", layers), layout, seed)
 
 
 def attach(adapter, kv, draft=None):
@@ -173,7 +176,7 @@ def draft_transfer(keys, slots, policy=None):
 
 def test_pinned_sglang_and_no_package_init():
     assert sglang_version() == TESTED_SGLANG_VERSION
-    assert "sglang.srt.utils" not in sys.modules  # sglang/__init__.py did not run
+    assert "sglang.lang.api" not in sys.modules  # sglang/__init__.py did not run
 
 
 def test_adapter_is_a_concrete_hicache_storage_with_sglang_signatures():
@@ -182,7 +185,7 @@ def test_adapter_is_a_concrete_hicache_storage_with_sglang_signatures():
     assert not inspect.isabstract(cls)
     for name in ("get", "set", "batch_get", "batch_set", "exists", "batch_exists", "batch_get_v1", "batch_set_v1",
                  "batch_exists_v2", "batch_get_v2", "batch_set_v2", "register_mem_pool_host",
-                 "register_mem_host_pool_v2", "on_host_pools_registered", "clear", "get_stats"):
+                 "register_mem_host_pool_v2", "on_host_pools_registered", "get_stats"):
         ours = list(inspect.signature(getattr(cls, name)).parameters)
         theirs = list(inspect.signature(getattr(sg.HiCacheStorage, name)).parameters)
         assert ours == theirs, name
@@ -190,9 +193,9 @@ def test_adapter_is_a_concrete_hicache_storage_with_sglang_signatures():
 
 
 def test_factory_builds_adapter_from_documented_extra_config(tmp_path):
-    """The extra-config JSON documented in the README, as SGLang's factory receives it."""
-    text = DOCUMENTED_EXTRA_CONFIG.replace("/mnt/kv-cache", str(tmp_path / "kv"))
-    extra = json.loads(text)
+    """The extra-config JSON of the README's launch line, as SGLang's factory receives it."""
+    extra = cases_controllers.readme_extra_configs()["0.5.19+"]
+    extra["hicache_draft"]["backend_options"]["root"] = str(tmp_path / "kv")
     adapter = Factory.create_backend("dynamic", storage_config(extra), None)
     _OPEN.append(adapter)
     assert isinstance(adapter, adapter_mod.HiCacheDraftStorage)
@@ -222,7 +225,7 @@ def test_factory_dynamic_path_still_demands_its_fields():
 def test_core_imports_without_sglang():
     code = (
         "import sys, hicache_draft, hicache_draft.integrations.sglang_config, "
-        "hicache_draft.integrations.sglang_pools, hicache_draft.integrations.sglang_doubles; "
+        "hicache_draft.integrations.sglang_pools; "
         "assert not any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules), 'sglang imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -275,8 +278,8 @@ def test_target_and_draft_round_trip_byte_exact(backend, target, layout, draft):
     assert reader.batch_get_v1(keys, indices(dst)) == [True] * 5
     assert reader.batch_get_v2([draft_transfer(keys, dst)]) == {PoolName.DRAFT: [True] * 5}
     for s, d in zip(src, dst, strict=True):
-        assert kv2.page_bytes(d) == kv.page_bytes(s)
-        assert dr2.page_bytes(d) == dr.page_bytes(s)
+        assert hr.page_bytes(kv2, d) == hr.page_bytes(kv, s)
+        assert hr.page_bytes(dr2, d) == hr.page_bytes(dr, s)
     reader.close()
     if backend[0] == "generic-only":
         assert GenericOnly.seen and not any(zc for _, _, zc, _ in GenericOnly.seen)
@@ -302,7 +305,7 @@ def test_generic_path_chunks_through_small_staging():
     kv2 = mha("layer_first")
     reader = attach(build(extra), kv2, mha("layer_first", layers=1))
     assert reader.batch_get_v1(keys, indices(src)) == [True] * 5
-    assert all(kv2.page_bytes(s) == kv.page_bytes(s) for s in src)
+    assert all(hr.page_bytes(kv2, s) == hr.page_bytes(kv, s) for s in src)
 
 
 # -- hit rules ------------------------------------------------------------------------------------------
@@ -395,9 +398,9 @@ def test_generic_draft_keys_with_unregistered_draft_pool(backend):
     assert got[3] is None
     for s, page in zip(slots, got[:3], strict=True):
         dr2.set_from_flat_data_page(s, page)
-        assert dr2.page_bytes(s) == dr.page_bytes(s)
+        assert hr.page_bytes(dr2, s) == hr.page_bytes(dr, s)
     one = reader.get(keys[1], mha("page_first_direct").get_dummy_flat_data_page())
-    assert one is not None and bytes(one.view(torch.uint8).flatten().tolist()) == kv.page_bytes(8)
+    assert one is not None and bytes(one.view(torch.uint8).flatten().tolist()) == hr.page_bytes(kv, 8)
 
 
 def test_generic_and_v2_draft_pages_are_the_same_pages(backend):
@@ -411,9 +414,9 @@ def test_generic_and_v2_draft_pages_are_the_same_pages(backend):
     dr2 = mha(layers=1)
     b = attach(build(extra), mha(), dr2)
     got = b.batch_get([f"{k}.draft" for k in keys[:2]], [dr2.get_dummy_flat_data_page() for _ in range(2)])
-    assert [bytes(g.view(torch.uint8).flatten().tolist()) for g in got] == [dr.page_bytes(0), dr.page_bytes(4)]
+    assert [bytes(g.view(torch.uint8).flatten().tolist()) for g in got] == [hr.page_bytes(dr, 0), hr.page_bytes(dr, 4)]
     assert b.batch_get_v2([draft_transfer(keys[2:], [24, 28])]) == {PoolName.DRAFT: [True, True]}
-    assert (dr2.page_bytes(24), dr2.page_bytes(28)) == (dr.page_bytes(8), dr.page_bytes(12))
+    assert (hr.page_bytes(dr2, 24), hr.page_bytes(dr2, 28)) == (hr.page_bytes(dr, 8), hr.page_bytes(dr, 12))
 
 
 def test_generic_calls_refuse_bad_input_without_raising(backend):
@@ -483,10 +486,11 @@ def test_a_hung_backend_call_is_bounded_and_its_staging_is_abandoned():
     extra = extra_config("generic-only", {"space": secrets.token_hex(4)}, timeout_s=0.2)
     adapter = attach(build(extra), mha(seed=1))
     keys = hashes(1, salt=12)
+    registered = adapter.views[PoolKind.KV].staging.tensor
     MemoryBackend.faults = Faults(delay_s={"page_get": 1.0})
     assert adapter.batch_get_v1(keys, indices([0])) == [False]
     staging = adapter.views[PoolKind.KV].staging
-    assert staging is not None and staging.registered is False
+    assert staging is not None and staging.tensor is not registered  # abandoned to the late call
     MemoryBackend.faults = Faults()
     assert adapter.batch_set_v1(keys, indices([0])) == [True]  # the fresh staging works
 
@@ -499,9 +503,9 @@ def test_a_corrupt_page_is_a_miss_and_leaves_the_host_page_alone():
     bad = make_key(keys[1], adapter.views[PoolKind.KV].namespaces[0])
     MemoryBackend.faults = Faults(corrupt_get_keys={bad})
     pool = mha()
-    before = pool.page_bytes(8)
+    before = hr.page_bytes(pool, 8)
     assert attach(build(extra), pool).batch_get_v1(keys, indices([4, 8])) == [True, False]
-    assert pool.page_bytes(8) == before
+    assert hr.page_bytes(pool, 8) == before
 
 
 # -- configuration -------------------------------------------------------------------------------------
@@ -559,9 +563,11 @@ def test_unsupported_parallelism_is_refused_by_name():
 
 
 WRITER = """
-import json, sys, torch
+import json, sys
+sys.path.insert(0, sys.argv[3])
+import bootstrap; bootstrap.install(sys.argv[4])
+import harness as hr, torch
 from hicache_draft.integrations.sglang_loader import load_backend_factory, load_storage_module
-from hicache_draft.integrations.sglang_doubles import MHAHostPoolDouble
 from hicache_draft import page_hashes
 sg = load_storage_module()
 extra = json.loads(sys.argv[1])
@@ -569,9 +575,9 @@ cfg = sg.HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_c
     is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True, model_name=sys.argv[2],
     extra_config=extra)
 a = load_backend_factory().create_backend("dynamic", cfg, None)
-kv = MHAHostPoolDouble(layer_num=3, head_num=2, head_dim=8, page_size=4, num_pages=12)
-dr = MHAHostPoolDouble(layer_num=1, head_num=2, head_dim=8, page_size=4, num_pages=12)
-kv.fill_random(torch.Generator().manual_seed(31)); dr.fill_random(torch.Generator().manual_seed(32))
+kv = hr.host_pool(hr.device_pool(hr.Shape("mha", 3), 24, 4), "page_first")
+dr = hr.host_pool(hr.device_pool(hr.Shape("mha", 1), 24, 4), "page_first")
+hr.fill_random(kv, 31); hr.fill_random(dr, 32)
 a.register_mem_pool_host(kv); a.register_mem_host_pool_v2(dr, sg.PoolName.DRAFT); a.on_host_pools_registered()
 keys = page_hashes(list(range(300_000, 300_000 + 16)), 4)
 idx = torch.arange(0, 16)
@@ -585,7 +591,9 @@ sys.exit(0 if all(ok) else 3)
 def test_pages_written_by_another_process_come_back_after_restart(tmp_path):
     """A server process writes target and draft pages and exits; a new one restores both (file backend)."""
     extra = extra_config("file", {"root": str(tmp_path / "kv")})
-    subprocess.run([sys.executable, "-c", WRITER, json.dumps(extra), MODEL], check=True, timeout=120)
+    here = str(Path(__file__).resolve().parent)
+    subprocess.run([sys.executable, "-c", WRITER, json.dumps(extra), MODEL, here, sglang_version()], check=True,
+                   timeout=120)
     kv, dr = mha(layers=3), mha(layers=1)
     reader = attach(build(extra), kv, dr)
     keys = page_hashes(list(range(300_000, 300_000 + 16)), PS)
@@ -596,5 +604,5 @@ def test_pages_written_by_another_process_come_back_after_restart(tmp_path):
     assert reader.batch_get_v2([draft_transfer(keys, dst)]) == {PoolName.DRAFT: [True] * 4}
     want_kv, want_dr = mha(layers=3, seed=31), mha(layers=1, seed=32)
     for i, d in enumerate(dst):
-        assert kv.page_bytes(d) == want_kv.page_bytes(4 * i)
-        assert dr.page_bytes(d) == want_dr.page_bytes(4 * i)
+        assert hr.page_bytes(kv, d) == hr.page_bytes(want_kv, 4 * i)
+        assert hr.page_bytes(dr, d) == hr.page_bytes(want_dr, 4 * i)

@@ -55,7 +55,10 @@ def stats_cmd(root: Path, as_json: bool) -> None:
         use = backend.usage()
     finally:
         backend.close()
-    keep = ("bytes", "pages", "segments", "free_files", "free_bytes", "segments_quarantined", "foreign_files")
+    keep = (
+        "bytes", "pages", "segments", "free_files", "free_bytes", "segments_quarantined", "foreign_files",
+        "unsafe_entries",
+    )
     shown = {k: use[k] for k in keep}
     if as_json:
         click.echo(json.dumps(shown))

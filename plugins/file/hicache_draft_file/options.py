@@ -15,7 +15,9 @@ class FileOptions(BaseModel):
     ``root``: the store's directory. Created when missing if its parent exists (``create_root``);
     a missing parent is a startup error naming the path. Several processes may share one root.
     ``max_bytes``: capacity of the stored segments; least recently used groups are evicted down to
-    ``evict_to * max_bytes`` when a write goes over it. ``None``: no limit.
+    ``evict_to * max_bytes`` when a write goes over it (never the pages of that write itself); with a
+    limit set, a full filesystem (ENOSPC) evicts the same way and the write is retried once. ``None``:
+    no limit.
     ``fsync``: flush each segment (and its directory entry) to the device before publishing it.
     ``segment_max_bytes``: one ``page_set`` call is packed into segment files of at most this size
     (a group is never split; a larger single group still gets its own segment).

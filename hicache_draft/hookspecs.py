@@ -82,6 +82,16 @@ def page_get(
     """
 
 
+@hookspec
+def page_rejected(rejected: Mapping[PoolKind, Sequence[str]]) -> None:
+    """Optional: pages you answered ``OK`` that failed the core's verification (key by pool).
+
+    Your copy of them is bad (torn, rotten, foreign): drop or quarantine it, so the next read is a
+    clean miss and a later backup can store the page again. Called on a store worker thread after
+    the ``page_get`` that returned them, not awaited by the caller; a backend that implements it
+    can leave payload verification to the core entirely."""
+
+
 @hookspec(firstresult=True)
 def page_exists(queries: Mapping[PoolKind, Sequence[str]], deadline: float) -> Mapping[PoolKind, int]:
     """For each pool, how many leading keys of its list are stored (stop at the first missing).

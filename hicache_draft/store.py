@@ -111,6 +111,7 @@ class Store:
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"backend {name!r}: {exc}") from None
         self._observed = bool(self.pm.hook.call_done.get_hookimpls())
+        self._hears_rejections = bool(self.pm.hook.page_rejected.get_hookimpls())
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"hicache-draft-{name}")
         self._lock = threading.Lock()
         self._logged: set[str] = set()
@@ -273,14 +274,26 @@ class Store:
     def _mark(
         self, problems: Iterable[tuple[PoolKind, int, Page, PageFormatError]], out: dict[PoolKind, list[PageResult]]
     ) -> None:
+        rejected: dict[PoolKind, list[str]] = {}
         for pool, i, page, exc in problems:
             out[pool][i] = PageResult.CORRUPT
+            rejected.setdefault(pool, []).append(page.key)
             with self._lock:
                 self.corrupt_pages += 1
             self._log_once(
                 f"verify:{exc.problem.value}", "backend %r returned page %s of pool %s that fails verification "
                 "(%s); counted as corrupt, never data", self.name, page.key, pool.value, exc,
             )
+        if rejected and self._hears_rejections:
+            started = self._start("page_rejected", {"rejected": rejected})  # off the caller's thread, unawaited
+            if isinstance(started, Future):
+                started.add_done_callback(self._rejection_done)
+
+    def _rejection_done(self, fut: Future[Any]) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            self._log_once("page_rejected", "backend %r: page_rejected raised %s: %s", self.name,
+                           type(exc).__name__, exc)
 
     # -- the contract ----------------------------------------------------------------------
     def register_pool(self, registration: PoolRegistration) -> None:

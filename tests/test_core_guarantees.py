@@ -344,3 +344,33 @@ def test_wrong_result_shapes_become_failures_logged_once_with_the_backend_name(s
     msgs = [r.getMessage() for r in caplog.records if "page_set" in r.getMessage()]
     assert len(msgs) == 1 and "'memory'" in msgs[0]
     ctrl.close()
+
+
+class Listens(Liar):
+    heard: ClassVar[list[dict]] = []
+
+    @hookimpl
+    def page_rejected(self, rejected):  # noqa: ANN001, ANN201
+        type(self).heard.append({p: list(k) for p, k in rejected.items()})
+        with self.lock:
+            for keys in rejected.values():
+                for k in keys:
+                    self.data.pop(k, None)
+
+
+def test_the_backend_hears_which_pages_failed_verification_and_can_drop_them():
+    Listens.heard = []
+    writer, reader = _pair(make_config(draft=None), Listens)
+    toks = tokens(2)
+    writer.backup(toks, slots(range(2)))
+    Listens.mode = "rotten"
+    assert reader.prefetch(toks, slots(range(8, 10))).pages == 0
+    deadline = time.monotonic() + 5
+    while not Listens.heard and time.monotonic() < deadline:
+        time.sleep(0.01)
+    keys = writer.keys_for(KV, __import__("hicache_draft").page_hashes(toks, 4))
+    assert Listens.heard and Listens.heard[0][KV] == keys
+    Listens.mode = "honest"
+    assert reader.store.page_exists({KV: keys}) == {KV: 0}  # dropped: a clean miss, and storable again
+    assert writer.backup(toks, slots(range(2))).pages_written == {KV: 2}
+    assert reader.prefetch(toks, slots(range(8, 10))).pages == 2

@@ -1,0 +1,416 @@
+"""What the SGLang adapter adds to the backend's own time: ``hicache-draft bench sglang``.
+
+One run, one store, the same pages: for each page size and each path SGLang takes, the adapter's
+call (as SGLang's controllers make it, over SGLang's own ``MHATokenToKVPoolHost``) is timed
+against the :class:`~hicache_draft.Store` call that moves the same pages in the same batch (keys,
+buffers and transfers built beforehand, as a caller that already holds them would). Rounds
+alternate which of the two goes first; the report gives the median time of each and the ratio
+of the medians with the range of the per-round ratios.
+
+Paths: ``v1`` (``batch_set_v1`` / ``batch_get_v1`` / ``batch_exists``: target pages zero-copy by
+host index), ``v2`` (``batch_set_v2`` / ``batch_get_v2`` / ``batch_exists_v2`` with a DRAFT
+sidecar: target and draft pages in one backend call) and ``generic`` (``batch_set`` /
+``batch_get`` with SGLang's flat data pages; its baseline moves the same flat pages).
+
+SGLang is imported the way the real-SGLang tests import it: in a source checkout, through
+``tests/sglang_real/bootstrap.py`` (the release's own modules with the smallest shims); inside an
+SGLang environment, as it is. Run ``python -m hicache_draft.integrations.sglang_bench`` or
+``hicache-draft bench sglang``.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import io
+import pstats
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+DRAFT_MODEL = "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B"
+PATHS = ("v1", "v2", "generic")
+OPS = ("set", "get", "exists")
+
+
+@dataclass(frozen=True)
+class PageShape:
+    """An MHA target page (bf16) and its one-layer draft page."""
+
+    label: str
+    layers: int
+    heads: int
+    head_dim: int
+    page_size: int
+    draft_layers: int = 1
+
+    @property
+    def page_nbytes(self) -> int:
+        return 2 * self.layers * self.heads * self.head_dim * self.page_size * 2
+
+
+SHAPES = {
+    "64k": PageShape("64 KiB", layers=4, heads=8, head_dim=128, page_size=4),
+    "1m": PageShape("1 MiB", layers=32, heads=8, head_dim=128, page_size=8),
+}
+
+
+# -- SGLang ---------------------------------------------------------------------------------------
+
+
+def checkout_bootstrap() -> Path | None:
+    """``tests/sglang_real/bootstrap.py`` of the source checkout this package runs from, if any."""
+    path = Path(__file__).resolve().parents[2] / "tests" / "sglang_real" / "bootstrap.py"
+    return path if path.is_file() else None
+
+
+def import_sglang(bootstrap: Path | None) -> None:
+    """Make SGLang's host pools importable: through ``bootstrap`` (its ``install`` for the
+    installed release) unless ``sglang`` is already imported (inside an SGLang process)."""
+    if "sglang" in sys.modules or bootstrap is None:
+        return
+    from hicache_draft.integrations.sglang_loader import sglang_version
+
+    release = sglang_version()
+    if release is None:
+        from hicache_draft.integrations.sglang_loader import SGLangMissingError
+
+        raise SGLangMissingError("the SGLang benchmark needs the 'sglang' package")
+    spec = importlib.util.spec_from_file_location("_hicache_sglang_bootstrap", bootstrap)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.install(release)
+
+
+def sglang_mha_host_pool(shape: PageShape, pages: int, layout: str, layers: int | None = None) -> Any:  # noqa: ANN401
+    """SGLang's own ``MHATokenToKVPoolHost`` (``pin_memory=False``) over a CPU device pool of
+    ``pages`` pages; the constructor's parameters are read from its signature."""
+    memory_pool = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+    try:
+        host_mod = importlib.import_module("sglang.srt.mem_cache.pool_host.mha")
+    except ImportError:  # releases before pool_host/
+        host_mod = importlib.import_module("sglang.srt.mem_cache.memory_pool_host")
+    import torch
+
+    tokens = pages * shape.page_size
+    device = memory_pool.MHATokenToKVPool(
+        size=tokens, page_size=shape.page_size, dtype=torch.bfloat16, head_num=shape.heads,
+        head_dim=shape.head_dim, layer_num=layers or shape.layers, device="cpu", enable_memory_saver=False,
+    )
+    cls = host_mod.MHATokenToKVPoolHost
+    params = inspect.signature(cls.__init__).parameters
+    arg = device.get_device_pool_infos()[0].buffer_info if list(params)[1] == "buffer_info" else device
+    kw: dict[str, Any] = {"host_to_device_ratio": 2.0, "host_size": 0, "page_size": shape.page_size,
+                          "layout": layout, "pin_memory": False, "device": "cpu"}
+    optional = {"device_capacity_tokens": device.size, "start_layer": device.start_layer,
+                "end_layer": device.end_layer}
+    kw.update({k: v for k, v in optional.items() if k in params})
+    return cls(arg, **kw)
+
+
+def storage_config(extra: dict[str, Any]) -> Any:  # noqa: ANN401
+    """SGLang's ``HiCacheStorageConfig`` for one TP rank (fields this release has)."""
+    from hicache_draft.integrations.sglang_loader import load_storage_module
+
+    sg = load_storage_module()
+    values: dict[str, Any] = {
+        "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "attn_cp_rank": 0, "attn_cp_size": 1,
+        "is_mla_model": False, "enable_storage_metrics": False, "is_page_first_layout": True,
+        "model_name": MODEL, "extra_config": extra,
+    }
+    names = {f.name for f in dataclasses.fields(sg.HiCacheStorageConfig)}
+    return sg.HiCacheStorageConfig(**{k: v for k, v in values.items() if k in names})
+
+
+# -- measuring --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One (path, page size, op): the adapter's and the backend's own seconds per round."""
+
+    path: str
+    page: str
+    op: str
+    adapter: list[float] = field(default_factory=list)
+    store: list[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.adapter) / statistics.median(self.store)
+
+    @property
+    def ratios(self) -> list[float]:
+        return [a / s for a, s in zip(self.adapter, self.store, strict=True)]
+
+    def line(self) -> str:
+        rs = self.ratios
+        return (f"{self.path:<8} {self.page:>7} {self.op:<7} adapter {statistics.median(self.adapter) * 1e3:8.3f} ms  "
+                f"backend {statistics.median(self.store) * 1e3:8.3f} ms  ratio {self.ratio:5.2f}  "
+                f"(rounds {min(rs):.2f}-{max(rs):.2f})")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "page": self.page, "op": self.op, "ratio": self.ratio,
+                "adapter_s": statistics.median(self.adapter), "backend_s": statistics.median(self.store),
+                "ratio_min": min(self.ratios), "ratio_max": max(self.ratios)}
+
+
+@dataclass
+class Report:
+    rows: list[Row]
+    pages: int
+    rounds: int
+    backend: str
+    layout: str
+    release: str
+    checks: dict[str, bool]
+    profile: str = ""
+
+    def text(self) -> str:
+        head = (f"SGLang {self.release} adapter vs the backend's own Store calls: backend {self.backend!r}, "
+                f"layout {self.layout}, {self.pages} pages per call, {self.rounds} alternating rounds (medians)")
+        lines = [head, *(r.line() for r in self.rows)]
+        bad = [k for k, ok in self.checks.items() if not ok]
+        lines.append("checks: all pages moved and found" if not bad else f"checks FAILED: {', '.join(bad)}")
+        if self.profile:
+            lines.append(self.profile)
+        return "\n".join(lines)
+
+
+class _Case:
+    """One path at one page size: the adapter's call and the Store call for the same pages."""
+
+    def __init__(self, path: str, adapter: Any, kv: Any, draft: Any | None, pages: int, ps: int) -> None:  # noqa: ANN401
+        import torch
+
+        from hicache_draft.capabilities import PoolKind
+        from hicache_draft.integrations.sglang import PoolName, PoolTransfer
+        from hicache_draft.keys import make_key
+        from hicache_draft.transfer import Buffer, Page, PageTransfer
+
+        self.path, self.adapter, self.kv, self.draft = path, adapter, kv, draft
+        self.store = adapter.store
+        self.pages, self.ps = pages, ps
+        self.indices = kv.alloc(pages * ps)
+        assert self.indices is not None, "host pool full"
+        self.slots = [int(self.indices[i * ps]) for i in range(pages)]
+        self._torch, self._PoolKind, self._PoolName, self._PoolTransfer = torch, PoolKind, PoolName, PoolTransfer
+        self._make_key, self._Buffer, self._Page, self._PageTransfer = make_key, Buffer, Page, PageTransfer
+        self.flats: list[Any] = []
+        self.dummies: list[Any] = []
+        if path == "generic":
+            self.flats = [kv.get_data_page(s) for s in self.slots]
+            self.dummies = [kv.get_dummy_flat_data_page() for _ in self.slots]
+
+    # -- what each side is handed ---------------------------------------------------------------
+    def _sidecars(self, keys: list[str], with_indices: bool) -> list[Any]:
+        return [self._PoolTransfer(name=self._PoolName.DRAFT, keys=keys,
+                                   host_indices=self.indices if with_indices else None,
+                                   indices_from_pool=self._PoolName.KV)]
+
+    def store_transfers(self, keys: list[str], op: str) -> list[Any]:
+        """The transfers the Store call gets: the adapter's keys and the same buffers."""
+        out = []
+        kinds = [self._PoolKind.KV] + ([self._PoolKind.DRAFT] if self.path == "v2" else [])
+        for kind in kinds:
+            view = self.adapter.views[kind]
+            pages = []
+            for i, key in enumerate(keys):
+                group = key.lower()
+                ns = view.namespaces[0]
+                if self.path == "generic":
+                    t = (self.flats if op == "set" else self.dummies)[i]
+                    bufs: tuple[Any, ...] = (self._Buffer(t.data_ptr(), t.numel() * t.element_size(), owner=t),)
+                else:
+                    bufs = view.pool.page_buffers(self.slots[i])
+                pages.append(self._Page(self._make_key(group, ns), group, ns, bufs))
+            out.append(self._PageTransfer(kind, pages, self.path != "generic"))
+        return out
+
+    def store_queries(self, keys: list[str]) -> dict[Any, list[str]]:
+        kinds = [self._PoolKind.KV] + ([self._PoolKind.DRAFT] if self.path == "v2" else [])
+        return {k: [self._make_key(key.lower(), self.adapter.views[k].namespaces[0]) for key in keys] for k in kinds}
+
+    # -- the calls, each returning whether every page went through ---------------------------------
+    def adapter_call(self, op: str, keys: list[str]) -> Callable[[], bool]:
+        a, n = self.adapter, len(keys)
+        if self.path == "v1":
+            if op == "set":
+                return lambda: all(a.batch_set_v1(keys, self.indices))
+            if op == "get":
+                return lambda: all(a.batch_get_v1(keys, self.indices))
+            return lambda: a.batch_exists(keys) == n
+        if self.path == "v2":
+            kv = self._PoolTransfer(name=self._PoolName.KV, keys=keys, host_indices=self.indices)
+            if op == "set":
+                return lambda: all(all(v) for v in a.batch_set_v2([kv, *self._sidecars(keys, True)]).values())
+            if op == "get":
+                return lambda: all(all(v) for v in a.batch_get_v2([kv, *self._sidecars(keys, True)]).values())
+            side = self._sidecars(keys, False)
+            return lambda: a.batch_exists_v2(keys, side).kv_hit_pages == n
+        if op == "set":
+            return lambda: bool(a.batch_set(keys, self.flats))
+        if op == "get":
+            return lambda: all(t is not None for t in a.batch_get(keys, self.dummies))
+        return lambda: a.batch_exists(keys) == n
+
+    def store_call(self, op: str, keys: list[str]) -> Callable[[], bool]:
+        from hicache_draft.transfer import PageResult
+
+        s = self.store
+        if op == "exists":
+            queries = self.store_queries(keys)
+            return lambda: all(c == len(keys) for c in s.page_exists(queries).values())
+        transfers = self.store_transfers(keys, op)
+        ok = PageResult.OK
+        if op == "set":
+            return lambda: all(r is ok for rs in s.page_set_tracked(transfers)[0].values() for r in rs)
+        return lambda: all(r is ok for rs in s.page_get(transfers)[0].values() for r in rs)
+
+
+def _keys(n: int) -> list[str]:
+    return [secrets.token_hex(32) for _ in range(n)]
+
+
+def _timed(fn: Callable[[], bool], prof: cProfile.Profile | None = None) -> tuple[float, bool]:
+    if prof is not None:
+        prof.enable()
+    t0 = time.perf_counter()
+    ok = fn()
+    dt = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
+    return dt, ok
+
+
+def measure(
+    *,
+    pages: int = 128,
+    rounds: int = 7,
+    shapes: Sequence[str] = tuple(SHAPES),
+    paths: Sequence[str] = PATHS,
+    layout: str = "page_first",
+    backend: str | None = None,
+    options: dict[str, Any] | None = None,
+    root: Path | None = None,
+    bootstrap: Path | None = None,
+    profile: bool = False,
+) -> Report:
+    """Run the benchmark (see the module docstring); ``options`` default to the backend's own
+    scratch options under ``root`` (a temporary directory when None)."""
+    import_sglang(bootstrap if bootstrap is not None else checkout_bootstrap())
+    import torch
+
+    from hicache_draft.bench.pipeline import scratch_options
+    from hicache_draft.integrations import sglang as adapter_mod
+    from hicache_draft.integrations.sglang_loader import sglang_version
+
+    prof = cProfile.Profile() if profile else None
+    rows: list[Row] = []
+    checks: dict[str, bool] = {}
+    with tempfile.TemporaryDirectory(prefix="hicache-draft-sglang-bench-", dir=root) as tmp:
+        for label in shapes:
+            shape = SHAPES[label]
+            for path in paths:
+                opts = options if options is not None else scratch_options(backend, Path(tmp) / f"{label}-{path}")
+                section: dict[str, Any] = {"backend_options": opts, "draft_model": DRAFT_MODEL}
+                if backend is not None:
+                    section["backend"] = backend
+                extra = {"interface_v1": path != "generic", "hicache_draft": section}
+                adapter = adapter_mod.HiCacheDraftStorage(storage_config(extra), None)
+                try:
+                    kv = sglang_mha_host_pool(shape, pages, layout)
+                    kv.kv_buffer.view(-1).view(torch.uint8).random_(0, 256)
+                    adapter.register_mem_pool_host(kv)
+                    draft = None
+                    if path == "v2":
+                        draft = sglang_mha_host_pool(shape, pages, layout, layers=shape.draft_layers)
+                        draft.kv_buffer.view(-1).view(torch.uint8).random_(0, 256)
+                        adapter.register_mem_host_pool_v2(kv, adapter_mod.PoolName.KV)
+                        adapter.register_mem_host_pool_v2(draft, adapter_mod.PoolName.DRAFT)
+                    adapter.on_host_pools_registered()
+                    case = _Case(path, adapter, kv, draft, pages, shape.page_size)
+                    rows.extend(_rounds(case, shape.label, rounds, checks, prof))
+                finally:
+                    adapter.close()
+    text = ""
+    if prof is not None:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        text = out.getvalue()
+    return Report(rows=rows, pages=pages, rounds=rounds, backend=backend or "default", layout=layout,
+                  release=sglang_version() or "?", checks=checks, profile=text)
+
+
+def _rounds(case: _Case, page: str, rounds: int, checks: dict[str, bool], prof: cProfile.Profile | None) -> list[Row]:
+    rows = {op: Row(case.path, page, op) for op in OPS}
+    for r in range(-1, rounds):  # round -1 warms up and is not counted
+        adapter_keys, store_keys = _keys(case.pages), _keys(case.pages)
+        for op in OPS:
+            # set: fresh pages on each side; get and exists: the pages the adapter just stored
+            calls = [
+                ("adapter", case.adapter_call(op, adapter_keys), prof),
+                ("store", case.store_call(op, store_keys if op == "set" else adapter_keys), None),
+            ]
+            if r % 2:
+                calls.reverse()
+            for side, fn, p in calls:
+                dt, ok = _timed(fn, p)
+                name = f"{case.path}/{page}/{op}/{side}"
+                checks[name] = checks.get(name, True) and ok
+                if r >= 0:
+                    getattr(rows[op], side).append(dt)
+    return list(rows.values())
+
+
+@click.command("sglang")
+@click.option("--pages", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Pages per call (SGLang's STORAGE_BATCH_SIZE is 128).")
+@click.option("--rounds", type=click.IntRange(min=1), default=7, show_default=True)
+@click.option("--page", "shapes", type=click.Choice(list(SHAPES)), multiple=True,
+              help="Page sizes (repeatable; default: all).")
+@click.option("--path", "paths", type=click.Choice(PATHS), multiple=True, help="Paths (repeatable; default: all).")
+@click.option("--layout", type=click.Choice(["layer_first", "page_first", "page_first_direct", "page_head"]),
+              default="page_first", show_default=True)
+@click.option("--backend", "backend_name", default=None, help="Backend (default: the installed default).")
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory for the scratch store (default: the system's temporary directory).")
+@click.option("--bootstrap", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="The SGLang bootstrap to run first (default: the checkout's tests/sglang_real/bootstrap.py).")
+@click.option("--profile", is_flag=True, help="Also print cProfile's top functions of the adapter's calls.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def sglang_command(pages: int, rounds: int, shapes: tuple[str, ...], paths: tuple[str, ...], layout: str,
+                   backend_name: str | None, root: Path | None, bootstrap: Path | None, profile: bool,
+                   as_json: bool) -> None:
+    """The SGLang adapter's time against the backend's own (same pages, same store, same run)."""
+    import json
+
+    if root is not None:
+        root.mkdir(parents=True, exist_ok=True)
+    rep = measure(pages=pages, rounds=rounds, shapes=shapes or tuple(SHAPES), paths=paths or PATHS, layout=layout,
+                  backend=backend_name, root=root, bootstrap=bootstrap, profile=profile)
+    if as_json:
+        click.echo(json.dumps({"release": rep.release, "backend": rep.backend, "layout": rep.layout,
+                               "pages": rep.pages, "rounds": rep.rounds, "checks": rep.checks,
+                               "rows": [r.as_dict() for r in rep.rows]}, indent=2))
+    else:
+        click.echo(rep.text())
+    if not all(rep.checks.values()):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    sglang_command()

@@ -14,7 +14,7 @@ def test_pipeline_bench_measures_every_step_and_restores_exact_bytes(tmp_path):
         "backup stored every page": True, "prefetch restored every page": True, "restored bytes equal": True,
     }
     steps = [r[0] for r in rep.rows()]
-    assert steps == ["d2h", "backup", "prefetch", "h2d", "ceiling write", "ceiling read"]
+    assert steps == ["d2h", "backup", "prefetch", "h2d", "ceiling write", "ceiling rewrite", "ceiling read"]
     rows = {s: (g, r, c) for s, g, r, c in rep.rows()}
     assert rows["d2h"][1] == 1.0 and all(g > 0 for g, _, _ in rows.values())
     assert rows["backup"][2] is not None and rows["prefetch"][2] is not None

@@ -7,9 +7,10 @@ page) with a one-layer EAGLE draft (256 KiB per page). Steps, each over the same
 2. ``backup``: :meth:`CacheController.backup` of target and draft pages to the store;
 3. ``prefetch``: a fresh controller (a restarted server) restores them into other host slots;
 4. ``h2d``: host pool -> device pool;
-5. ``ceiling write`` / ``ceiling read``: plain threads doing ``os.pwritev`` / ``os.preadv`` of the same
-   bytes in ``page``-sized calls on the store's filesystem (``ceiling_threads`` of them, one file each):
-   what Python can reach there at all.
+5. ``ceiling write`` / ``ceiling rewrite`` / ``ceiling read``: plain threads doing ``os.pwritev`` of
+   the same bytes in ``page``-sized calls into new files on the store's filesystem (``ceiling_threads``
+   of them, one file each), again into the same files (space already allocated), and ``os.preadv``
+   back: what Python can reach there at all. Backup is compared to the first, prefetch to the last.
 
 Every step prints GB/s and its ratio to ``d2h``; backup and prefetch also their ratio to the ceiling.
 Without CUDA the "device" is a second host tensor, so the copies are host copies (CI runs it that way).
@@ -124,8 +125,9 @@ def _timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def _ceiling(root: Path, nbytes: int, call_bytes: int, threads: int) -> tuple[float, float]:
-    """Seconds for ``threads`` threads to pwritev, then preadv, ``nbytes`` in ``call_bytes`` calls."""
+def _ceiling(root: Path, nbytes: int, call_bytes: int, threads: int) -> tuple[float, float, float]:
+    """Seconds for ``threads`` threads to pwritev ``nbytes`` in ``call_bytes`` calls into new files,
+    to write them again (space already allocated), and to preadv them."""
     per = -(-nbytes // threads // call_bytes) * call_bytes
     bufs = [bytearray(os.urandom(min(call_bytes, 1 << 20)) * (call_bytes // min(call_bytes, 1 << 20)))
             for _ in range(threads)]
@@ -154,7 +156,7 @@ def _ceiling(root: Path, nbytes: int, call_bytes: int, threads: int) -> tuple[fl
         return time.perf_counter() - t0
 
     try:
-        return run(True), run(False)
+        return run(True), run(True), run(False)
     finally:
         for p in paths:
             p.unlink(missing_ok=True)
@@ -258,10 +260,10 @@ def _run(
         report.nbytes["h2d"] = t_bytes + d_bytes
         reader.close()
         threads = ceiling_threads or min(16, os.cpu_count() or 1)
-        w, r = _ceiling(store_root, t_bytes + d_bytes, tpage, threads)
-        report.seconds["ceiling write"], report.seconds["ceiling read"] = w, r
-        report.nbytes["ceiling write"] = report.nbytes["ceiling read"] = -(-(t_bytes + d_bytes) // threads // tpage) \
-            * tpage * threads
+        w, rw, r = _ceiling(store_root, t_bytes + d_bytes, tpage, threads)
+        moved = -(-(t_bytes + d_bytes) // threads // tpage) * tpage * threads
+        for step, secs in (("ceiling write", w), ("ceiling rewrite", rw), ("ceiling read", r)):
+            report.seconds[step], report.nbytes[step] = secs, moved
         return report
     finally:
         if tmp is not None:

@@ -37,6 +37,7 @@ class Breaker:
         self._wake = threading.Event()
         self._down_since: float | None = None
         self._probe_now = False
+        self._suspect = False
         self._closed = False
         self._thread: threading.Thread | None = None
         self.trips = 0
@@ -62,20 +63,34 @@ class Breaker:
                 self._down_since = time.monotonic()
                 self.trips += 1
                 self._probe_now = now
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name=f"{self._name}-prober", daemon=True)
-                self._thread.start()
+            self._start()
         if first and now:
             self._wake.set()
         return first
 
+    def suspect(self) -> None:
+        """Probe once, at once, while calls go on; trip only if that probe fails (for a code that
+        means a broken store only sometimes, e.g. shared-memory ``INVALID_PARAMS``)."""
+        with self._lock:
+            if self._closed or self._down_since is not None:
+                return
+            self._suspect = True
+            self._start()
+        self._wake.set()
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=f"{self._name}-prober", daemon=True)
+            self._thread.start()
+
     def _run(self) -> None:
         while True:
             with self._lock:
-                if self._closed or self._down_since is None:
+                verifying = self._suspect and self._down_since is None
+                if self._closed or (self._down_since is None and not verifying):
                     self._thread = None
                     return
-                now, self._probe_now = self._probe_now, False
+                now, self._probe_now, self._suspect = self._probe_now or verifying, False, False
             if not now:
                 self._wake.wait(self.retry_interval_s)
             self._wake.clear()
@@ -89,9 +104,12 @@ class Breaker:
             except Exception as exc:  # noqa: BLE001 (a probe that raises means "not yet")
                 log.debug("%s: probe raised %s: %s", self._name, type(exc).__name__, exc)
                 ok = False
-            if ok:
-                with self._lock:
+            with self._lock:
+                if ok:
                     self._down_since = None
+                elif self._down_since is None:  # a suspicion confirmed
+                    self._down_since = time.monotonic()
+                    self.trips += 1
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Stop the prober (waits at most ``timeout_s`` for a probe in progress; it is a daemon)."""

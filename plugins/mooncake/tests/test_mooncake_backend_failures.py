@@ -43,7 +43,10 @@ def test_master_killed_then_restarted(mooncake_service_factory, new_groups):
         svc.master.kill()
         got, done = store.page_get([r.transfer(r.pages(old, [2, 3]))])
         assert done.done() and OK not in got[PoolKind.KV]
-        assert store.backend.stats["outages"] == 1
+        deadline = time.monotonic() + 10.0  # the prober (a background thread) reports the outage
+        while not store.backend.stats["outages"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.backend.stats["outages"] == 1 and not store.backend.available
         # while the master is down, calls are answered at once (no new native data call)
         assert store.page_exists({PoolKind.KV: [p.key for p in w.pages(old, [0, 1])]}) == {PoolKind.KV: 0}
         assert OK not in store.page_set([w.transfer(w.pages(new_groups(1), [4]))])[PoolKind.KV]

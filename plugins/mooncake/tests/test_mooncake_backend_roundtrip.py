@@ -1,6 +1,8 @@
 """Target and draft round trips (MHA and MLA, every layout, TCP and shared-memory modes), the stored
 format (one object per page: core header then raw bytes), corruption, and the skip of stored keys."""
 
+import time
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -111,7 +113,7 @@ def test_pipelined_batches_keep_every_page_in_its_place(open_store, new_groups, 
     header = make_header(bad.key, bad.namespace, PoolKind.KV, [bytes(payload)])
     payload[0] ^= 1
     assert store.backend.native.upsert(store.backend.key(bad), header + bytes(payload)) == 0
-    before = dict(store.backend.stats)
+    before, corrupt = dict(store.backend.stats), store.corrupt_pages
     got, done = store.page_get([r.transfer(r.pages(g, list(range(6))))])
     assert done.done()
     assert got[PoolKind.KV] == [OK, OK, PageResult.MISS, OK, PageResult.MISS, PageResult.CORRUPT]
@@ -119,7 +121,9 @@ def test_pipelined_batches_keep_every_page_in_its_place(open_store, new_groups, 
         assert r.page_bytes(i) == w.page_bytes(i)
     assert r.page_bytes(7) == bytes([7]) * len(r.page_bytes(7))  # a slot nobody asked for is untouched
     delta = stat_delta(store, before)
-    assert delta["get_batches"] == 6 and delta["get"] == 3 and delta["miss"] == 2 and delta["corrupt"] == 1
+    # the backend hands the corrupt page over with its stored header; the core's check rejects it
+    assert delta["get_batches"] == 6 and delta["get"] == 4 and delta["miss"] == 2
+    assert store.corrupt_pages - corrupt == 1
 
 
 def test_a_failure_while_preparing_a_sub_batch_fails_pages_without_raising(open_store, new_groups, monkeypatch):
@@ -132,11 +136,11 @@ def test_a_failure_while_preparing_a_sub_batch_fails_pages_without_raising(open_
     real = backend._prepare_staged_get
     calls = []
 
-    def flaky(jobs):
+    def flaky(sess, jobs):
         calls.append(len(jobs))
         if len(calls) == 3:
             raise MemoryError("no staging memory")
-        return real(jobs)
+        return real(sess, jobs)
 
     monkeypatch.setattr(backend, "_prepare_staged_get", flaky)
     got, done = store.page_get([r.transfer(r.pages(g, [0, 1, 2, 3]))])
@@ -198,14 +202,31 @@ def test_corrupt_or_foreign_object_is_corrupt_not_data(open_store, new_groups, d
         payload = payload[:-1]
     assert store.backend.native.put(store.backend.key(page), header + bytes(payload)) == 0
     dst = r.pages([page.group], [3])
-    before = dict(store.backend.stats)
+    before, corrupt = dict(store.backend.stats), store.corrupt_pages
     got, _ = store.page_get([r.transfer(dst)])
     if damage == "length" and io_mode == "direct":
         # Mooncake itself refuses to scatter a short object into the page's buffers (TRANSFER_FAIL)
         assert got[PoolKind.KV] == [PageResult.FAILED]
         return
     assert got[PoolKind.KV] == [PageResult.CORRUPT]
-    assert stat_delta(store, before)["corrupt"] == 1
+    # a short object is caught by the backend (length), anything else by the core's verification of
+    # the header the backend returned
+    assert store.corrupt_pages - corrupt + stat_delta(store, before).get("corrupt", 0) == 1
+
+
+def test_backend_still_checks_pages_read_without_the_store(open_store, new_groups):
+    """Called directly (no Store, so no core header to return and nobody verifying after it), the
+    backend checks the stored header and checksum itself."""
+    store = open_store(io_mode="staged")
+    w, r = make_rig(), make_rig()
+    w.fill_random()
+    page = w.pages(new_groups(1), [0])[0]
+    payload = bytearray(w.page_bytes(0))
+    header = make_header(page.key, page.namespace, PoolKind.KV, [bytes(payload)])
+    payload[3] ^= 1
+    assert store.backend.native.put(store.backend.key(page), header + bytes(payload)) == 0
+    res = store.backend.page_get([r.transfer(r.pages([page.group], [2]))], deadline=time.monotonic() + 10)
+    assert res[PoolKind.KV] == [PageResult.CORRUPT]
 
 
 def test_passed_deadline_fails_without_calling_the_store(open_store, new_groups):

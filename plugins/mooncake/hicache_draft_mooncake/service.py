@@ -115,8 +115,17 @@ class ManagedProcess:
 
     def freeze(self) -> None:
         """SIGSTOP by pid: the process keeps its ports (the kernel still accepts connections) but
-        answers nothing (failure tests)."""
+        answers nothing (failure tests). Returns once the kernel reports it stopped (bounded)."""
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                return
+            if state in ("T", "t"):
+                return
+            time.sleep(0.01)
 
     def thaw(self) -> None:
         """SIGCONT by pid."""

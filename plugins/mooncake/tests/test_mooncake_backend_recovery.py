@@ -123,6 +123,7 @@ def test_one_shm_client_recovers_after_holder_restart(mooncake_service_factory, 
         # the host pools live in the old client's shared memory, which the new holder never mapped:
         # their pages now move through a staging copy, byte-exact
         assert stats["bounced_pages"] > before.get("bounced_pages", 0)
+        assert stats["staging_bytes_given_back"] > 0  # the old client's arenas (MADV_REMOVE)
         got, _ = store.page_get([r.transfer(r.pages(old, [6, 7]))])  # the old holder took these along
         assert OK not in got[PoolKind.KV]
         text = caplog.text

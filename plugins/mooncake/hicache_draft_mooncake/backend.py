@@ -661,6 +661,28 @@ class MooncakeBackend(StorageBackend):
         return OK
 
     @hookimpl
+    def page_rejected(self, rejected: Mapping[PoolKind, Sequence[str]]) -> None:
+        """Pages this backend answered OK that failed the core's verification: remove the stored
+        objects (forced), so the next read is a clean miss and a later backup stores them again
+        (puts skip keys that exist, so a bad copy would otherwise stay for good)."""
+        keys = [self.opts.key_prefix + k for ks in rejected.values() for k in ks]
+        sess = self._sess
+        if not keys or not self._up(sess):
+            return
+        removed = 0
+        with sess.call(time.monotonic() + self.context.timeout_s):
+            for key in keys:
+                try:
+                    rc = sess.native.remove(key, True)
+                except Exception:  # noqa: BLE001 (best effort; the page stays CORRUPT on read)
+                    rc = codes.INTERNAL_ERROR
+                removed += rc == codes.OK
+        with self._lock:
+            self.stats["rejected_removed"] += removed
+        self._note("rejected", "mooncake: removed %d of %d stored page(s) that failed the core's verification, so "
+                   "they miss and a later backup stores them again", removed, len(keys))
+
+    @hookimpl
     def page_exists(self, queries: Mapping[PoolKind, Sequence[str]], deadline: float) -> dict[PoolKind, int]:
         out = {pool: 0 for pool in queries}
         sess = self._sess

@@ -214,6 +214,26 @@ def test_corrupt_or_foreign_object_is_corrupt_not_data(open_store, new_groups, d
     assert store.corrupt_pages - corrupt + stat_delta(store, before).get("corrupt", 0) == 1
 
 
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+def test_a_rejected_copy_is_removed_so_a_backup_can_store_the_page_again(open_store, new_groups, shm):
+    store = open_store(shm=shm)
+    w, r = make_rig(), make_rig()
+    w.fill_random()
+    page = w.pages(new_groups(1), [0])[0]
+    payload = bytearray(w.page_bytes(0))
+    header = make_header(page.key, page.namespace, PoolKind.KV, [bytes(payload)])
+    payload[5] ^= 1  # a rotten copy under the page's key
+    assert store.backend.native.upsert(store.backend.key(page), header + bytes(payload)) == 0
+    reads = r.pages([page.group], [1])
+    assert store.page_get([r.transfer(reads)])[0][PoolKind.KV] == [PageResult.CORRUPT]
+    deadline = time.monotonic() + 10.0  # page_rejected runs on a store worker, unawaited
+    while store.backend.native.is_exist(store.backend.key(page)) == 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.page_get([r.transfer(reads)])[0][PoolKind.KV] == [PageResult.MISS]
+    assert store.page_set([w.transfer([page])])[PoolKind.KV] == [OK]  # stored again, not skipped
+    assert store.page_get([r.transfer(reads)])[0][PoolKind.KV] == [OK] and r.page_bytes(1) == w.page_bytes(0)
+
+
 def test_backend_still_checks_pages_read_without_the_store(open_store, new_groups):
     """Called directly (no Store, so no core header to return and nobody verifying after it), the
     backend checks the stored header and checksum itself."""

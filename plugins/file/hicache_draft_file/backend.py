@@ -47,9 +47,10 @@ import stat
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -73,7 +74,6 @@ from hicache_draft import (
     StorageBackend,
     hookimpl,
     parse_header,
-    verify_payload,
 )
 from hicache_draft_file.catalog import Catalog, Segment
 from hicache_draft_file.journal import Journal, JournalUnavailable, Op, is_leftover
@@ -93,7 +93,7 @@ from hicache_draft_file.naming import (
     segment_name,
 )
 from hicache_draft_file.options import FileOptions
-from hicache_draft_file.region_views import RegionViews
+from hicache_draft_file.region_views import RegionViews, SliceViews
 from hicache_draft_file.root_setup import prepare_root
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry, ident, pid_alive
 from hicache_draft_file.segment_format import SegmentError, read_index
@@ -102,21 +102,24 @@ from hicache_draft_file.vectored_io import IOV_MAX, preadv_all
 
 log = logging.getLogger("hicache_draft_file")
 
-# One preadv reads at most this much, then its pages are checked: a run this small is still in
-# the CPU cache when its xxh3 is computed (a whole 8 MiB batch in one preadv is hashed from memory;
-# on the development VM, 128-512 KiB runs read and check 64 KiB pages fastest, 2 MiB ones ~10% slower).
-_RUN_MAX_BYTES = 256 << 10
-# A page_get reads one segment in several threads only when it spans at least this much in pages
-# of at least _PARALLEL_MIN_PAGE bytes on average: small pages are dominated by per-page Python
-# work, and two threads contending for the GIL made batches of 64 KiB two-buffer pages slower
-# (0.95x instead of 1.07x the baseline), while 128 MiB batches of 1 MiB pages went from 0.97x to 1.65x.
-_PARALLEL_MIN_BYTES = 16 << 20
-_PARALLEL_MIN_PAGE = 256 << 10
+# One preadv reads at most this much (a larger record alone), then its pages' headers are checked
+# and the core is told they are final (``finished``), so it verifies them while the rest is read:
+# a run this small is still in the CPU cache when the core's xxh3 reads it.
+_RUN_MAX_BYTES = 1 << 20
+# A call's reads are shared by several threads only with at least this much per thread, and its
+# writes spread over several segment files only with at least _SPLIT_MIN bytes per file (see
+# README: smaller shares cost more in GIL hand-overs than the overlap saves).
+_SHARE_MIN_BYTES = 4 << 20
+_SHARE_MIN_RECORD = 256 << 10
+# Pages read are announced to the core (``finished``) in batches of at least this many bytes.
+_FINISH_BYTES = 4 << 20
 _INTENT_MAGIC = "hicache-draft-file evict 1"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _TMP_RE = re.compile(r"([0-9a-f]{16}-[0-9a-f]{8})\.(\d+)\.tmp|(intent)\.(\d+)\.[0-9a-f]+")
 _NBYTES = operator.attrgetter("nbytes")
 _SPLIT_MIN = 16 << 20
+_OK = PageResult.OK
+_FAILED = PageResult.FAILED
 
 _POOL_CAP = PoolCapability(
     attention=frozenset({Attention.MHA, Attention.MLA}),
@@ -128,6 +131,25 @@ _POOL_CAP = PoolCapability(
 
 # A page to read: (record offset in its segment, payload bytes, pool, index in the call, page).
 _Item = tuple[int, int, PoolKind, int, Page]
+_Finished = Callable[[PoolKind, Iterable[int]], None]
+
+
+def _not_told(pool: PoolKind, indices: Iterable[int]) -> None:
+    """``finished`` of a caller that does not want to hear (a direct hook call)."""
+
+
+@dataclass(eq=False)
+class _SegRead:
+    """One segment's part of a ``page_get``: its descriptor and what its readers found. Reader
+    threads only append to ``bad`` and set flags (atomic under the GIL); the calling thread reads
+    them after every reader has finished."""
+
+    seg: Segment
+    handle: _Handle
+    items: list[_Item]
+    bad: list[tuple[PoolKind, int, str]] = field(default_factory=list)
+    any_ok: bool = False
+    error: OSError | None = None
 
 
 @dataclass
@@ -194,15 +216,14 @@ class FileBackend(StorageBackend):
         self._writer = new_writer_id()
         self._seq = 0
         self._closed = False
-        self._readers = (
-            ThreadPoolExecutor(options.io_threads, thread_name_prefix="hcd-file-read")
-            if options.io_threads > 1 else None
+        self.workers = options.workers()
+        # the threads that take a share of a call's reads or writes, next to the calling thread
+        self._pool = (
+            ThreadPoolExecutor(self.workers - 1, thread_name_prefix="hcd-file-io") if self.workers > 1 else None
         )
-        self._writers = (
-            ThreadPoolExecutor(2, thread_name_prefix="hcd-file-write") if options.io_threads > 1 else None
-        )
-        # copies pages into segment files while the writing thread makes the next headers
-        self._io = ThreadPoolExecutor(2, thread_name_prefix="hcd-file-io") if options.io_threads > 1 else None
+        # pages without the core's header (direct hook calls): copies records into the file while
+        # the writing thread makes the next headers (a separate pool: its tasks wait on nothing)
+        self._io = ThreadPoolExecutor(2, thread_name_prefix="hcd-file-copy") if self.workers > 1 else None
         try:
             self._lock_fd = self._open_lock()
             self._journal = Journal(self.dirs.root_fd, JOURNAL_FILE, writable=self.writable)
@@ -303,35 +324,37 @@ class FileBackend(StorageBackend):
         if dir_fd is None:
             with self.dirs.fan(fanout_dir(name), create=False) as fd:
                 return self._load(name, fd) if fd >= 0 else None
-        path = self.layout.segment_path(name)
         fname = name + SEGMENT_SUFFIX
         try:
             fd, st = self.dirs.open_file(dir_fd, fname, os.O_RDONLY, single=True)
         except FileNotFoundError:
             return None
         except UnsafeEntry as exc:  # a link, or a hard link to a file that may live elsewhere
-            self.dirs.unsafe_entry(dir_fd, fname, path, exc)
+            self.dirs.unsafe_entry(dir_fd, fname, self.layout.segment_path(name), exc)
             self.stats.unsafe_entries = self.dirs.unsafe
             return None
         except OSError as exc:
             self.stats.read_failures += 1
-            self._log_once(f"open:{exc.errno}", "file backend: cannot open segment %s: %s", path, exc.strerror)
+            self._log_once(f"open:{exc.errno}", "file backend: cannot open segment %s: %s",
+                           self.layout.segment_path(name), exc.strerror)
             return None
         try:
             index = read_index(fd, st.st_size)
         except SegmentError as exc:
             os.close(fd)
             self.stats.segments_quarantined += 1
-            self._log_once(f"badseg:{exc}", "file backend: segment %s is not valid (%s); quarantined", path, exc)
+            self._log_once(f"badseg:{exc}", "file backend: segment %s is not valid (%s); quarantined",
+                           self.layout.segment_path(name), exc)
             if self.writable:
                 self.dirs.quarantine(dir_fd, fname)
             return None
         except OSError as exc:
             os.close(fd)
             self.stats.read_failures += 1
-            self._log_once(f"read:{exc.errno}", "file backend: cannot read segment %s: %s", path, exc.strerror)
+            self._log_once(f"read:{exc.errno}", "file backend: cannot read segment %s: %s",
+                           self.layout.segment_path(name), exc.strerror)
             return None
-        seg = Segment(name=name, path=path, index=index, ident=ident(st))
+        seg = Segment(name=name, seg_dir=self.layout.seg, index=index, ident=ident(st))
         self.catalog.add(seg)
         self._put_handle(name, fd)
         return seg
@@ -468,21 +491,53 @@ class FileBackend(StorageBackend):
 
         published: list[str] = []  # this call's segments: never evicted by its own eviction
 
-        def write(batch: tuple[list[tuple[PoolKind, int, Page]], int]) -> None:
-            if time.monotonic() > deadline:
-                self._log_once("set:deadline", "file backend: page_set ran past its deadline; pages failed")
-            elif self._write(batch[0], batch[1], published):
-                for pool, i, _page in batch[0]:
-                    results[pool][i] = PageResult.OK
+        def write(share: list[tuple[list[tuple[PoolKind, int, Page]], int]]) -> None:
+            for batch, size in share:
+                if time.monotonic() > deadline:
+                    self._log_once("set:deadline", "file backend: page_set ran past its deadline; pages failed")
+                elif self._write(batch, size, published, deadline):
+                    for pool, i, _page in batch:
+                        results[pool][i] = _OK
 
-        if self._writers is not None and len(batches) > 1:
-            # buffered writes to one file are serialised by its inode lock: two files, two cores
-            list(self._writers.map(write, batches))
-        else:
-            for batch in batches:
-                write(batch)
+        # buffered writes to one file are serialised by its inode lock: one segment per thread
+        self._spread(write, batches, [size for _b, size in batches], 1)
         self._maybe_evict(set(published))
         return results
+
+    def _spread(self, fn: Callable[[list], None], work: list, weights: Sequence[int], share_min: int) -> None:
+        """Run ``fn`` over contiguous shares of ``work`` of about equal ``weights``: one share in
+        the calling thread, the others on the worker pool, at most ``self.workers`` shares and none
+        lighter than ``share_min`` (one share: all in the calling thread). Returns only when every
+        share has ended (so no thread touches the call's buffers after the call), then raises the
+        first exception a share raised."""
+        total = sum(weights)
+        k = min(self.workers, len(work), max(1, total // max(1, share_min)))
+        if k <= 1 or self._pool is None:
+            fn(work)
+            return
+        cuts = [0]
+        acc = 0
+        for j, w in enumerate(weights):
+            acc += w
+            if acc * k >= total * len(cuts) and len(cuts) < k:
+                cuts.append(j + 1)
+        cuts.append(len(work))
+        shares = [work[a:b] for a, b in itertools.pairwise(cuts) if b > a]
+        futures: list[Future[None]] = []
+        inline = [shares[0]]
+        for sh in shares[1:]:
+            try:
+                futures.append(self._pool.submit(fn, sh))
+            except RuntimeError:  # the pool is shut down (the backend is closing): do it here
+                inline.append(sh)
+        try:
+            for sh in inline:
+                fn(sh)
+        finally:
+            wait_all(futures)
+        for f in futures:
+            if (exc := f.exception()) is not None:
+                raise exc
 
     def _all_stored(self, items: list[tuple[PoolKind, int, Page]]) -> bool:
         keys = self.catalog.keys
@@ -492,12 +547,14 @@ class FileBackend(StorageBackend):
         self, groups: Mapping[str, list[tuple[PoolKind, int, Page]]], sizes: Mapping[str, int]
     ) -> Iterator[tuple[list[tuple[PoolKind, int, Page]], int]]:
         """Batches of whole groups with their bytes, each at most ``segment_max_bytes`` (a bigger
-        group alone); a call of more than ``2 * _SPLIT_MIN`` bytes is cut in two halves written
-        in parallel. ``sizes``: the bytes of each group's records."""
+        group alone); a call of ``k * _SPLIT_MIN`` bytes or more is cut into ``k`` segments of
+        about equal size (``k`` at most the worker count), written side by side. ``sizes``: the
+        bytes of each group's records."""
         total = sum(sizes[g] for g in groups)
         limit = self.opts.segment_max_bytes
-        if self._writers is not None and total >= 2 * _SPLIT_MIN:
-            limit = min(limit, (total + 1) // 2)
+        parts = min(self.workers, total // _SPLIT_MIN)
+        if parts > 1:
+            limit = min(limit, -(-total // parts))
         cur: list[tuple[PoolKind, int, Page]] = []
         size = 0
         for g, items in groups.items():
@@ -510,12 +567,14 @@ class FileBackend(StorageBackend):
         if cur:
             yield cur, size
 
-    def _write(self, batch: list[tuple[PoolKind, int, Page]], size: int, published: list[str]) -> bool:
+    def _write(
+        self, batch: list[tuple[PoolKind, int, Page]], size: int, published: list[str], deadline: float
+    ) -> bool:
         """Write and publish one segment. A full filesystem (ENOSPC, EDQUOT) with eviction on is
         capacity pressure: evict least recently used groups (never this call's), then retry once."""
         for attempt in (0, 1):
             try:
-                name = self._write_once(batch)
+                name = self._write_once(batch, deadline)
             except OSError as exc:
                 if attempt == 0 and exc.errno in _NO_SPACE and self.opts.max_bytes is not None:
                     self._make_room(size, set(published))
@@ -530,12 +589,15 @@ class FileBackend(StorageBackend):
             return True
         return False
 
-    def _write_once(self, batch: list[tuple[PoolKind, int, Page]]) -> str:
+    def _write_once(self, batch: list[tuple[PoolKind, int, Page]], deadline: float) -> str:
         with self._lock:
             self._seq += 1
             name = segment_name(self._writer, self._seq)
         items = [(pool, page) for pool, _i, page in batch]
-        ws = write_segment(self.dirs, name, items, self.opts.fsync, self._regions.view, self._io)
+        ws = write_segment(
+            self.dirs, name, items, self.opts.fsync, self._regions.view, self._io, deadline=deadline,
+        )
+
         fname = name + SEGMENT_SUFFIX
         try:
             with self._root_lock(exclusive=False), self.dirs.fan(fanout_dir(name)) as d:
@@ -560,15 +622,17 @@ class FileBackend(StorageBackend):
                 os.unlink(ws.tmp_name, dir_fd=self.dirs.tmp)
             raise
         fcntl.flock(ws.fd, fcntl.LOCK_UN)
-        self.stats.segments_written += 1
-        self.stats.segments_recycled += ws.recycled
-        with self._lock:
-            self.catalog.add(Segment(name=name, path=self.layout.segment_path(name), index=ws.index, ident=ident(st)))
+        with self._lock:  # several writer threads count here
+            self.stats.segments_written += 1
+            self.stats.segments_recycled += ws.recycled
+            self.catalog.add(Segment(name=name, seg_dir=self.layout.seg, index=ws.index, ident=ident(st)))
             self._put_handle(name, ws.fd)
         return name
 
     @hookimpl
-    def page_get(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
+    def page_get(
+        self, transfers: Sequence[PageTransfer], deadline: float, finished: _Finished | None = None
+    ) -> dict[PoolKind, list[PageResult]]:
         results = {t.pool: [PageResult.MISS] * len(t.pages) for t in transfers}
         self._poll()
         plan: dict[Segment, list[_Item]] = {}  # pages by segment, in call order
@@ -604,82 +668,104 @@ class FileBackend(StorageBackend):
                         got = plan.get(seg)
                         last = plan[seg] = [] if got is None else got
                     last.append((index.offsets[rec], stored, pool, i, page))
-        for seg, items in plan.items():
-            if time.monotonic() > deadline:
-                for _off, _n, pool, i, _page in items:
-                    results[pool][i] = PageResult.FAILED
-                continue
-            self._read_segment(seg, items, results)
+        if plan:
+            self._read_plan(plan, results, deadline, finished or _not_told)
         return results
 
-    def _read_segment(self, seg: Segment, items: list[_Item], results: dict[PoolKind, list[PageResult]]) -> None:
-        try:
-            h = self._acquire(seg)
-        except FileNotFoundError:  # evicted (or replaced) by another process since our last poll
-            with self._lock:
-                self._drop(seg.name)
-            return
-        except OSError as exc:
-            self.stats.read_failures += 1
-            self._log_once(f"open:{exc.errno}", "file backend: cannot open %s: %s", seg.path, exc.strerror)
-            for _off, _n, pool, i, _page in items:
-                results[pool][i] = PageResult.FAILED
-            return
-        bad: list[tuple[PoolKind, int, str]] = []
-        try:
-            items.sort(key=_item_offset)
-            ok = self._read_runs(h.fd, items, _run_bounds(items), results, bad)
-            if ok and self.writable:
-                with contextlib.suppress(OSError):
-                    os.utime(h.fd)  # recency for LRU eviction, seen by every process
-            if bad:
-                self._on_bad(seg, h.fd, bad, results)
-        except OSError as exc:
-            self.stats.read_failures += 1
-            self._log_once(f"read:{exc.errno}", "file backend: reading %s failed: %s", seg.path, exc.strerror)
-            for _off, _n, pool, i, _page in items:
-                if results[pool][i] is not PageResult.OK:
-                    results[pool][i] = PageResult.FAILED
-        finally:
-            self._release(h)
-
-    def _read_runs(
+    def _read_plan(
         self,
-        fd: int,
-        items: list[_Item],
-        bounds: list[int],
+        plan: Mapping[Segment, list[_Item]],
         results: dict[PoolKind, list[PageResult]],
-        bad: list[tuple[PoolKind, int, str]],
-    ) -> int:
-        """Read and check the runs ``items[bounds[j]:bounds[j + 1]]``. A large read of large pages
-        is cut into contiguous shares, one per reader thread and one in the calling thread
-        (``preadv`` and xxh3 release the GIL); any other read stays in the calling thread, where
-        handing work to a thread costs more than it saves (see ``_PARALLEL_MIN_BYTES``)."""
+        deadline: float,
+        finished: _Finished,
+    ) -> None:
+        """Read every planned page. Each segment's pages are sorted by offset and cut into runs of
+        adjacent records (one ``preadv`` each); the runs of all segments are shared, contiguously
+        and by bytes, among the calling thread and the worker pool. A share checks the deadline
+        before each run and reports each run's pages finished as soon as their headers passed."""
+        reads: list[_SegRead] = []
+        runs: list[tuple[_SegRead, int, int]] = []
+        weights: list[int] = []
+        for seg, items in plan.items():
+            try:
+                h = self._acquire(seg)
+            except FileNotFoundError:  # evicted (or replaced) by another process since our last poll
+                with self._lock:
+                    self._drop(seg.name)
+                continue
+            except OSError as exc:
+                self.stats.read_failures += 1
+                self._log_once(f"open:{exc.errno}", "file backend: cannot open %s: %s", seg.path, exc.strerror)
+                for _off, _n, pool, i, _page in items:
+                    results[pool][i] = _FAILED
+                continue
+            sr = _SegRead(seg, h, items)
+            reads.append(sr)
+            if len(items) > 1:
+                items.sort(key=_item_offset)
+            bounds = _run_bounds(items)
+            for a, b in itertools.pairwise(bounds):
+                runs.append((sr, a, b))
+                weights.append(items[b - 1][0] + items[b - 1][1] - items[a][0])
         view = self._regions.view
-        n_runs = len(bounds) - 1
-        extent = items[-1][0] + HEADER_SIZE + items[-1][1] - items[0][0]  # of the file, items sorted
-        if (
-            self._readers is None
-            or n_runs < 2
-            or extent < _PARALLEL_MIN_BYTES
-            or extent < _PARALLEL_MIN_PAGE * len(items)
-        ):
-            return _read_share(fd, items, bounds, view, results, bad)
-        k = min(self.opts.io_threads, n_runs)
-        cuts = [j * n_runs // k for j in range(k + 1)]
-        shares = [bounds[cuts[j] : cuts[j + 1] + 1] for j in range(k)]
-        futures = [self._readers.submit(_read_share, fd, items, sh, view, results, bad) for sh in shares[1:]]
+        heads = SliceViews().view
+
+        def share(part: list[tuple[_SegRead, int, int]]) -> None:
+            _read_share(part, view, heads, results, finished, deadline)
+
+        # small records are dominated by per-page Python work: threads contending for the GIL
+        # read them slower than one thread does (see _SHARE_MIN_RECORD)
+        spread = sum(len(sr.items) for sr in reads) * _SHARE_MIN_RECORD <= sum(weights)
         try:
-            ok = _read_share(fd, items, shares[0], view, results, bad)
-        finally:
-            failed = [f.exception() for f in futures]  # every share ends before the fd is released
-        for exc in failed:
-            if exc is not None:
-                raise exc
-        return ok + sum(f.result() for f in futures)
+            self._spread(share, runs, weights, _SHARE_MIN_BYTES if spread else 1 << 62)
+        finally:  # every share has ended: no thread uses a descriptor or a buffer any more
+            for sr in reads:
+                try:
+                    self._settle_read(sr, results)
+                finally:
+                    self._release(sr.handle)
+
+    def _settle_read(self, sr: _SegRead, results: dict[PoolKind, list[PageResult]]) -> None:
+        seg = sr.seg
+        if sr.error is not None:
+            self.stats.read_failures += 1
+            self._log_once(f"read:{sr.error.errno}", "file backend: reading %s failed: %s", seg.path, sr.error.strerror)
+        if sr.any_ok and self.writable:
+            with contextlib.suppress(OSError):
+                os.utime(sr.handle.fd)  # recency for LRU eviction, seen by every process
+        if sr.bad:
+            self._on_bad(seg, sr.bad, results)
+
+    @hookimpl
+    def page_rejected(self, rejected: Mapping[PoolKind, Sequence[str]]) -> None:
+        """Pages this backend answered OK that failed the core's verification: their segments are
+        quarantined (with every segment sharing a group with them evicted), so the next read is a
+        clean miss. The backend checks only headers on reads; payloads are the core's to check."""
+        victims: dict[str, int] = {}
+        with self._lock:
+            for pool, keys in rejected.items():
+                stored = self.catalog.keys.get(pool)
+                if stored is None:
+                    continue
+                for key in keys:
+                    value = stored.get(key)
+                    if value is not None:
+                        seg, _rec = self.catalog.entry(value)
+                        victims[seg.name] = victims.get(seg.name, 0) + 1
+            self.stats.corrupt_pages += sum(victims.values())
+        for name, n in sorted(victims.items()):
+            self._log_once(
+                "rejected", "file backend: %d page(s) of segment %s failed the core's verification; segment "
+                "quarantined", n, name,
+            )
+            if self.writable:
+                self._evict({name}, quarantine=name)
+            else:
+                with self._lock:
+                    self._drop(name)
 
     def _on_bad(
-        self, seg: Segment, fd: int, bad: list[tuple[PoolKind, int, str]], results: dict[PoolKind, list[PageResult]]
+        self, seg: Segment, bad: list[tuple[PoolKind, int, str]], results: dict[PoolKind, list[PageResult]]
     ) -> None:
         """Failed validation: corruption, or a segment evicted and recycled under us."""
         try:
@@ -730,7 +816,8 @@ class FileBackend(StorageBackend):
                 with contextlib.suppress(OSError):
                     self._retire_handle(name)
             self._journal.close()
-            for ex in (self._readers, self._writers, self._io):
+            for ex in (self._pool, self._io):
+
                 if ex is not None:
                     ex.shutdown(wait=False)
         with self._fs_lock:  # no thread is inside the root lock any more
@@ -1082,52 +1169,100 @@ def _run_bounds(items: list[_Item]) -> list[int]:
 
 
 def _read_share(
-    fd: int,
-    items: list[_Item],
-    bounds: list[int],
+    runs: Sequence[tuple[_SegRead, int, int]],
     view: Callable[[Buffer], memoryview],
+    head_view: Callable[[Buffer], memoryview],
+    results: dict[PoolKind, list[PageResult]],
+    finished: _Finished,
+    deadline: float,
+) -> None:
+    """One thread's share of a ``page_get``: its runs in order, each checked against the deadline
+    first (a run not started in time fails its pages). An I/O error fails that run's pages only.
+    Pages that passed are announced to ``finished`` once at least ``_FINISH_BYTES`` of them are
+    waiting, and at the end of the share (each announcement costs the core a task hand-off)."""
+    told: dict[PoolKind, list[int]] = {}
+    waiting = 0
+    for sr, a, b in runs:
+        run = sr.items[a:b]
+        if time.monotonic() > deadline:
+            for _off, _n, pool, i, _page in run:
+                results[pool][i] = _FAILED
+            continue
+        try:
+            got = _read_run(sr.handle.fd, run, view, head_view, results, sr.bad, told)
+        except OSError as exc:
+            sr.error = exc
+            for _off, _n, pool, i, _page in run:
+                if results[pool][i] is not _OK:
+                    results[pool][i] = _FAILED
+            continue
+        if got:
+            sr.any_ok = True
+            waiting += got
+            if waiting >= _FINISH_BYTES:
+                for pool, indices in told.items():
+                    finished(pool, indices)
+                told = {}
+                waiting = 0
+    for pool, indices in told.items():
+        finished(pool, indices)
+
+
+def _read_run(
+    fd: int,
+    run: list[_Item],
+    view: Callable[[Buffer], memoryview],
+    head_view: Callable[[Buffer], memoryview],
     results: dict[PoolKind, list[PageResult]],
     bad: list[tuple[PoolKind, int, str]],
+    done: dict[PoolKind, list[int]],
 ) -> int:
-    """Each run: one ``preadv`` of the records' headers (into a small buffer) interleaved with
-    their payloads (straight into the destination buffers), then every page of the run validated,
-    header and xxh3 of the payload, while its bytes are still in the CPU cache. A run's views are
-    made just before it is read and dropped after it is checked, so few objects live at a time."""
+    """One ``preadv`` of adjacent records: each header straight into the page's ``header`` buffer
+    (a scratch buffer for pages without one), each payload straight into the page's buffers. Then
+    every header is parsed (magic, version, its own checksum, key, namespace, pool, length: cheap,
+    and it catches short, foreign and misplaced records) and the pages that pass are reported to
+    ``done`` (by pool); their payloads are the core's to verify. Returns the bytes found OK."""
+    iov: list[memoryview] = []
+    heads: list[memoryview] = []
+    scratch: memoryview | None = None
+    for j, item in enumerate(run):
+        page = item[4]
+        hb = page.header
+        if hb is not None:
+            head = head_view(hb)
+        else:
+            if scratch is None:
+                scratch = memoryview(bytearray(HEADER_SIZE * len(run)))
+            head = scratch[j * HEADER_SIZE : (j + 1) * HEADER_SIZE]
+        heads.append(head)
+        iov.append(head)
+        bufs = page.buffers
+        if len(bufs) == 1:
+            iov.append(view(bufs[0]))
+        else:
+            iov.extend(map(view, bufs))
+    start = run[0][0]
+    end = start + preadv_all(fd, iov, start)
     ok = 0
-    for a, b in itertools.pairwise(bounds):
-        run = items[a:b]
-        heads = memoryview(bytearray(HEADER_SIZE * (b - a)))
-        iov: list[memoryview] = []
-        checks: list[tuple[memoryview, Sequence[memoryview]]] = []
-        h = 0
-        for item in run:
-            head = heads[h : h + HEADER_SIZE]
-            h += HEADER_SIZE
-            iov.append(head)
-            bufs = item[4].buffers
-            if len(bufs) == 1:
-                v = view(bufs[0])
-                iov.append(v)
-                checks.append((head, (v,)))
-            else:
-                pv = list(map(view, bufs))
-                iov.extend(pv)
-                checks.append((head, pv))
-        start = run[0][0]
-        end = start + preadv_all(fd, iov, start)
-        for (off, n, pool, i, page), (head, pv) in zip(run, checks, strict=True):
-            if off + HEADER_SIZE + n > end:
-                bad.append((pool, i, "truncated segment"))
-                continue
-            try:
-                verify_payload(parse_header(head, page.key, page.namespace, pool), pv, n)
-            except PageFormatError as exc:
-                bad.append((pool, i, str(exc)))
-                continue
-            if page.header is not None:
-                page.header.view()[:] = head
-            results[pool][i] = PageResult.OK
-            ok += 1
+    for (off, n, pool, i, page), head in zip(run, heads, strict=True):
+        if off + HEADER_SIZE + n > end:
+            bad.append((pool, i, "truncated segment"))
+            continue
+        try:
+            stored = parse_header(head, page.key, page.namespace, pool).payload_len
+        except PageFormatError as exc:
+            bad.append((pool, i, str(exc)))
+            continue
+        if stored != n:
+            bad.append((pool, i, f"payload length mismatch: header {stored}, index {n}"))
+            continue
+        results[pool][i] = _OK
+        got = done.get(pool)
+        if got is None:
+            done[pool] = [i]
+        else:
+            got.append(i)
+        ok += HEADER_SIZE + n
     return ok
 
 

@@ -14,6 +14,7 @@ from itertools import compress
 from pathlib import Path
 
 from hicache_draft import HEADER_SIZE, PoolKind
+from hicache_draft_file.naming import SEGMENT_SUFFIX, fanout_dir
 from hicache_draft_file.segment_format import CODE_POOL, SegmentIndex
 
 
@@ -22,11 +23,15 @@ class Segment:
     """A published segment this process knows of."""
 
     name: str
-    path: Path
+    seg_dir: Path  # ROOT/seg: the path is made only when a message or a test needs it
     index: SegmentIndex
     ident: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file loaded: a replaced name is not it
     live: bool = field(default=True)
     sid: int = field(default=-1)  # the catalog's number for it, set by Catalog.add
+
+    @property
+    def path(self) -> Path:
+        return self.seg_dir / fanout_dir(self.name) / (self.name + SEGMENT_SUFFIX)
 
     @property
     def size(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -28,11 +29,11 @@ class FileOptions(BaseModel):
     ``open_files``: segment file descriptors kept open per process.
     ``dedup``: skip groups whose every page of the call is already stored.
     ``journal_max_records``: the shared change journal is compacted past this many records.
-    ``io_threads``: threads that share the reading of one segment when a ``page_get`` spans at
-    least 16 MiB of it (smaller reads stay in the calling thread, where they are faster), and (when
-    above 1) two threads that write the halves of a large segment plus a writer thread that copies
-    records of large pages (256 KiB or more on average) into the file while the next headers are
-    checksummed (copies and checksums release the GIL); 1 does all I/O in the calling thread.
+    ``io_threads``: threads that do one call's I/O (the calling thread included): a large
+    ``page_get`` is cut into contiguous shares of its runs of records, one per thread, and a large
+    ``page_set`` into that many segment files written side by side (``preadv``/``pwritev`` release
+    the GIL; buffered writes to one file are serialised by the kernel, so writes spread over files).
+    ``None`` (default): ``os.cpu_count()``, at most 32. 1 does all I/O in the calling thread.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -48,7 +49,11 @@ class FileOptions(BaseModel):
     open_files: int = Field(default=256, ge=2)
     dedup: bool = True
     journal_max_records: int = Field(default=1 << 16, ge=16)
-    io_threads: int = Field(default=2, ge=1, le=64)
+    io_threads: int | None = Field(default=None, ge=1, le=64)
+
+    def workers(self) -> int:
+        """The threads one call's I/O is spread over (``io_threads``, or sized from the machine)."""
+        return self.io_threads if self.io_threads is not None else max(1, min(32, os.cpu_count() or 1))
 
     @field_validator("root", mode="before")
     @classmethod

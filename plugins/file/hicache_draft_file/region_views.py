@@ -37,3 +37,27 @@ class RegionViews:
             if ptr + buf.nbytes <= end:
                 return whole[ptr - start : ptr - start + buf.nbytes]
         return buf.view()
+
+
+class SliceViews:
+    """Views of buffers that lie inside their ``owner`` when it is itself a :class:`Buffer` (the
+    core's page headers: one block per call, handed out as 64-byte buffers owning the block):
+    the owner is viewed once, each buffer is a slice of it. Anything else gets ``Buffer.view()``.
+    One instance per call; it keeps the owners it viewed alive while it lives."""
+
+    __slots__ = ("_owners",)
+
+    def __init__(self) -> None:
+        self._owners: dict[int, tuple[int, int, memoryview, Buffer]] = {}
+
+    def view(self, buf: Buffer) -> memoryview:
+        owner = buf.owner
+        if type(owner) is Buffer:
+            got = self._owners.get(id(owner))
+            if got is None:
+                got = self._owners[id(owner)] = (owner.ptr, owner.ptr + owner.nbytes, owner.view(), owner)
+            start, end, whole, _keep = got
+            ptr = buf.ptr
+            if start <= ptr and ptr + buf.nbytes <= end:
+                return whole[ptr - start : ptr - start + buf.nbytes]
+        return buf.view()

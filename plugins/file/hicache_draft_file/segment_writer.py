@@ -5,10 +5,12 @@ Publishing (the rename into ``seg/``) is the caller's, under the shared root loc
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import queue
 import threading
+import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hicache_draft import HEADER_SIZE, Buffer, Page, PoolKind, make_headers
+from hicache_draft_file.region_views import SliceViews
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry
 from hicache_draft_file.segment_format import POOL_CODE, SegmentIndex, build_footer
 from hicache_draft_file.vectored_io import WRITE_CHUNK, preallocate, pwritev_all
@@ -88,6 +91,7 @@ def write_segment(
     view: Callable[[Buffer], memoryview] = Buffer.view,
     io: Executor | None = None,
     chunk: int = WRITE_CHUNK,
+    deadline: float = float("inf"),
 ) -> WrittenSegment:
     """Write ``items`` as segment ``name`` into ``tmp/``. On any error the file is removed and
     the error raised (nothing published, nothing already stored touched).
@@ -100,6 +104,9 @@ def write_segment(
     they are made, so the headers of the next records are computed while the previous ones are
     copied into the file (``pwritev`` and xxh3 both release the GIL). ``view`` gives a buffer's
     bytes (the backend passes slices of its registered regions, cheaper than ``Buffer.view``).
+    Pages that carry the core's header need no checksum here, so they are written by the calling
+    thread alone (nothing to overlap). Past ``deadline`` the next call is not made: the write
+    fails with :class:`TimeoutError` (and the page buffers are not read any more).
     """
     tmp, fd, old_size, recycled = claim_file(dirs, name)
     try:
@@ -110,10 +117,17 @@ def write_segment(
         index.size = end
         if old_size < end:
             preallocate(fd, end)
-        if io is not None and index.data_end >= max(_PIPELINE_MIN, _PIPELINE_MIN_RECORD * len(items)):
+        if (
+            io is not None
+            and index.data_end >= max(_PIPELINE_MIN, _PIPELINE_MIN_RECORD * len(items))
+            and any(page.header is None for _pool, page in items)
+        ):
             _write_pipelined(fd, items, views, index, chunk, io)
         else:
+            clock = time.monotonic
             for iov, at in _record_calls(items, views, index, chunk):
+                if clock() > deadline:
+                    raise TimeoutError(errno.ETIMEDOUT, "page_set ran past its deadline")
                 pwritev_all(fd, iov, at, chunk)
         pwritev_all(fd, [memoryview(footer)], index.data_end)
         if old_size > end:
@@ -146,6 +160,7 @@ def _record_calls(
     cache when the kernel copies them into the file."""
     lengths = index.lengths
     n = len(items)
+    head_view = SliceViews().view
     pending: list[memoryview] = []
     room = chunk  # bytes left before the next aligned boundary
     at = 0  # file offset of pending[0]
@@ -164,7 +179,7 @@ def _record_calls(
         for j, i in enumerate(range(lo, hi)):
             hdr = items[i][1].header
             # the core's header (made before the call from the bytes handed over) is stored as is
-            head = hdr.view() if hdr is not None else made[j * HEADER_SIZE : (j + 1) * HEADER_SIZE]  # type: ignore[index]
+            head = head_view(hdr) if hdr is not None else made[j * HEADER_SIZE : (j + 1) * HEADER_SIZE]  # type: ignore[index]
             for v in (head, *views[i]):
                 nb = v.nbytes
                 while nb >= room:  # v reaches the boundary: close this call

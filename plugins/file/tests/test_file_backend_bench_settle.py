@@ -86,14 +86,16 @@ def test_the_report_shows_the_filesystem_state_and_the_baseline() -> None:
     fs = {"waited_s": 3.0, "create_us": 9.0, "probes": 12, "settled": False, "create_us_after_sizes": 11.0,
           "reference_us": 7.0}
     row = {"page_bytes": 65536, "rounds": 20, "excluded_rounds": 3,
-           "gbps": {op: {"baseline": 1.0, "zero_copy": 2.0, "generic": 1.5} for op in ("set", "get")},
-           "ratios": {"set_zero_copy": 2.0, "set_generic": 1.5, "set_goal": 2.0,
-                      "get_zero_copy": 2.0, "get_generic": 1.5, "get_goal": 1.0}}
+           "gbps": {op: {"baseline": 1.0, "baseline_threads": 1.2, "zero_copy": 2.0, "generic": 1.5}
+                    for op in ("set", "get")},
+           "ratios": {"set_zero_copy": 2.0, "set_generic": 1.5, "set_goal": 2.0, "set_zero_copy_vs_threads": 1.7,
+                      "get_zero_copy": 2.0, "get_generic": 1.5, "get_goal": 1.0, "get_zero_copy_vs_threads": 1.6}}
     rep = {"quick": True, "batch": 128, "cpus": 2, "goals_met": True, "filesystem": fs, "baseline": "baseline: x",
            "sizes": [row], "exists": {"file_us_per_key": 0.1, "baseline_us_per_key": 2.0, "keys": 8.0}, "restart": []}
     text = format_report(rep)
     assert "DID NOT SETTLE" in text and "9 us" in text and "11 us after" in text and "earlier runs: 7 us" in text
     assert "20 rounds counted, 3 excluded" in text and "baseline: x" in text
+    assert "1.20GB" in text and "1.70x" in text  # the threaded baseline and the ratio against it
 
 
 def test_the_reference_is_kept_per_filesystem(tmp_path: Path) -> None:
@@ -117,7 +119,8 @@ def test_rounds_measured_while_creation_is_slow_are_replaced_and_counted(tmp_pat
     calls = iter([False, True, True, False] + [True] * 20)
     res = bench_size(tmp_path, 64 << 10, 2, gate=lambda: next(calls), max_excluded=4)
     assert (res.rounds, res.excluded) == (2, 2)
-    assert set(res.ratios["set"]) == {"zero_copy", "generic"} and all(v > 0 for v in res.gbps["set"].values())
+    assert set(res.ratios["set"]) == {"zero_copy", "generic", "baseline_threads", "zero_copy_vs_threads"}
+    assert all(v > 0 for v in res.gbps["set"].values())
     (tmp_path / "b").mkdir()
     (tmp_path / "c").mkdir()
     calm = bench_size(tmp_path / "b", 64 << 10, 1, gate=lambda: True, max_excluded=0)

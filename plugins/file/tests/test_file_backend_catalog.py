@@ -29,7 +29,7 @@ def _segment(n: int, pages: list[tuple[int, PoolKind]]) -> Segment:
         groups=groups, pools=bytes(POOL_CODE[pool] for _g, pool in pages),
         offsets=array("Q", range(len(pages))), lengths=array("Q", [7] * len(pages)),
     )
-    return Segment(name=f"{n:016x}-00000001", path=Path("/nowhere"), index=idx)
+    return Segment(name=f"{n:016x}-00000001", seg_dir=Path("/nowhere"), index=idx)
 
 
 @settings(max_examples=200, deadline=None)

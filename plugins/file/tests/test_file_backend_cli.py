@@ -36,10 +36,12 @@ def test_bench_pieces_measure_real_stores(tmp_path: Path) -> None:
     assert rs["pages"] == 1024 and rs["segments"] == 16 and rs["first_exists_s"] > 0
     rep = {
         "quick": True, "batch": 128, "cpus": 2, "goals_met": False, "exists": ex, "restart": [rs],
-        "sizes": [{"page_bytes": 65536, "gbps": {op: {"baseline": 1.0, "zero_copy": 2.0, "generic": 1.5}
-                                                   for op in ("set", "get")},
+        "sizes": [{"page_bytes": 65536,
+                   "gbps": {op: {"baseline": 1.0, "baseline_threads": 1.1, "zero_copy": 2.0, "generic": 1.5}
+                            for op in ("set", "get")},
                    "ratios": {"set_zero_copy": 2.0, "set_generic": 1.5, "set_goal": 2.0,
-                              "get_zero_copy": 2.0, "get_generic": 1.5, "get_goal": 1.0}}],
+                              "get_zero_copy": 2.0, "get_generic": 1.5, "get_goal": 1.0,
+                              "set_zero_copy_vs_threads": 1.8, "get_zero_copy_vs_threads": 1.8}}],
     }
     text = format_report(rep)
     assert "64K  set" in text and "2.00x" in text and "GOALS NOT MET" in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,16 @@ def _locate(store: Store, kit, group: str, pool: PoolKind = PoolKind.KV) -> tupl
     assert entry is not None
     seg, i = entry
     return seg.path, seg.offset(i)
+
+
+def _eventually(store: Store, done: Callable[[dict], bool], timeout: float = 10.0) -> dict:
+    """The backend's usage once ``done`` holds for it (bounded wait), else the last one seen."""
+    end = time.monotonic() + timeout
+    while True:
+        use = store.backend.usage()
+        if done(use) or time.monotonic() > end:
+            return use
+        time.sleep(0.01)
 
 
 def _poke(path: Path, offset: int, data: bytes) -> None:
@@ -65,7 +76,9 @@ def test_tampered_page_is_corrupt_then_a_miss(open_store, kit, how: str) -> None
     assert bad[0] is PageResult.CORRUPT, f"{how}: {bad}"
     for r, equal in got[PoolKind.KV] + got[PoolKind.DRAFT]:
         assert r is not PageResult.OK or equal, f"{how}: a page reported OK has wrong bytes"
-    use = store.backend.usage()
+    # a bad payload passes the backend's header checks: the core rejects it and tells the backend
+    # (page_rejected, on a store thread after the call), which then quarantines the segment
+    use = _eventually(store, lambda u: u["segments_quarantined"] == 1)
     assert use["corrupt_pages"] >= 1 and use["segments_quarantined"] == 1
     assert not path.exists() and any((path.parents[2] / "quarantine").iterdir())
     again = kit.read_back(store, groups, PAGE)

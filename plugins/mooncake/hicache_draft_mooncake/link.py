@@ -62,7 +62,7 @@ class Link:
         closed first (its calls drain for at most ``drain_s``). Raises what ``connect`` raises;
         the session stays closed then, and the next call of this method tries again."""
         with self._lock:
-            if self.session is not seen:
+            if self.session is not seen or self.users <= 0:  # done by another backend, or all closed
                 return self.session
             if not seen.close(drain_s):
                 log.warning("mooncake: the old shared-memory client still has a call running; a new one is "

@@ -356,8 +356,12 @@ class FileBackend(StorageBackend):
             return None
         seg = Segment(name=name, seg_dir=self.layout.seg, index=index, ident=ident(st))
         self.catalog.add(seg)
-        self._put_handle(name, fd)
+        if len(self._handles) < self.opts.open_files:
+            self._put_handle(name, fd)
+        else:  # a restart loading thousands: no churn through the descriptor cache
+            os.close(fd)
         return seg
+
 
     def _drop(self, name: str) -> Segment | None:
         """Forget a segment (removed by someone, or by us). Holds _lock."""

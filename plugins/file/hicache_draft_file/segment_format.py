@@ -40,6 +40,8 @@ _TAIL_GUESS = 64 * 1024
 
 POOL_CODE = {PoolKind.KV: 0, PoolKind.DRAFT: 1}
 CODE_POOL = {v: k for k, v in POOL_CODE.items()}
+_POOL_CODES = bytes(sorted(CODE_POOL))
+
 
 
 class SegmentError(ValueError):
@@ -127,7 +129,7 @@ def read_index(fd: int, size: int | None = None) -> SegmentIndex:
         raise SegmentError("footer keys are not ascii") from None
     if len(keys) != count or len(groups) != count:
         raise SegmentError("footer key count does not match the trailer")
-    if any(p not in CODE_POOL for p in pools):
+    if pools.translate(None, _POOL_CODES):  # a byte left over is not a pool code
         raise SegmentError("footer names an unknown pool")
     return SegmentIndex(
         size=size, data_end=footer_off, keys=keys, groups=groups, pools=pools, offsets=offsets, lengths=lengths,

@@ -1,0 +1,247 @@
+"""The parallel data plane: one call's reads and writes shared by the worker pool.
+
+The thresholds that decide when a call is worth sharing are lowered here, so small pages take the
+parallel paths (the tests stay fast); every test checks that more than one thread did the work.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hicache_draft_file import backend as file_backend
+from hicache_draft_file import segment_writer
+
+from hicache_draft import BackendContext, Buffer, Page, PageResult, PageTransfer, PoolKind, Store
+from hicache_draft.store import attach_headers
+
+N = 16384  # payload bytes per page
+COUNT = 48
+
+
+@pytest.fixture(autouse=True)
+def _share_small_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(file_backend, "_SHARE_MIN_BYTES", 64 << 10)
+    monkeypatch.setattr(file_backend, "_SHARE_MIN_RECORD", 1)
+    monkeypatch.setattr(file_backend, "_SPLIT_MIN", 64 << 10)
+    monkeypatch.setattr(file_backend, "_RUN_MAX_BYTES", 64 << 10)  # several runs per share
+    monkeypatch.setattr(file_backend, "_FINISH_BYTES", 1)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store.open("file", {"root": str(tmp_path / "store"), "io_threads": 4})
+    yield s
+    s.close()
+
+
+def _groups(tag: int) -> list[str]:
+    return [f"{tag:08x}{i:056x}" for i in range(COUNT)]
+
+
+def _pages(kit, pool: PoolKind, groups: list[str], fill: bool) -> list[Page]:
+    return kit.pages(pool, groups, N, fill)
+
+
+def _stored(kit, store: Store, tag: int = 1) -> list[str]:
+    groups = _groups(tag)
+    res = store.page_set([PageTransfer(p, _pages(kit, p, groups, True)) for p in (PoolKind.KV, PoolKind.DRAFT)])
+    assert all(r == [PageResult.OK] * COUNT for r in res.values())
+    return groups
+
+
+def _threads_of(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> set[int]:
+    """Record which threads call ``module.name``."""
+    seen: set[int] = set()
+    real = getattr(module, name)
+
+    def spy(*args: object, **kw: object) -> object:
+        seen.add(threading.get_ident())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+def test_shared_writes_and_reads_give_every_page_its_result_in_order(kit, store: Store, monkeypatch) -> None:
+    writers = _threads_of(monkeypatch, file_backend, "write_segment")
+    groups = _stored(kit, store)
+    assert len(writers) > 1 and store.backend.usage()["segments"] > 1  # one call, several files
+    readers = _threads_of(monkeypatch, file_backend, "preadv_all")
+    # shuffled, with misses and a repeat interleaved, over both pools
+    order = [*groups, *(f"{9:08x}{i:056x}" for i in range(6)), groups[3]]
+    random.Random(7).shuffle(order)
+    ts = [PageTransfer(p, _pages(kit, p, order, False)) for p in (PoolKind.KV, PoolKind.DRAFT)]
+    got, _ = store.page_get(ts)
+    assert len(readers) > 1
+    for t in ts:
+        for g, page, r in zip(order, t.pages, got[t.pool], strict=True):
+            if g in groups:
+                assert r is PageResult.OK and bytes(page.buffers[0].view()) == kit.payload(page.key, N)
+            else:
+                assert r is PageResult.MISS and bytes(page.buffers[0].view()) == bytes(N)
+
+
+def test_an_io_error_in_one_share_fails_only_its_pages(kit, store: Store, monkeypatch) -> None:
+    groups = _stored(kit, store)
+    real = file_backend.preadv_all
+    failed_at: list[int] = []
+    lock = threading.Lock()
+
+    def flaky(fd: int, views: list[memoryview], offset: int) -> int:
+        with lock:
+            first = not failed_at and offset > 0
+            if first:
+                failed_at.append(offset)
+        if first:
+            raise OSError(errno.EIO, "injected")
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(file_backend, "preadv_all", flaky)
+    readers = _threads_of(monkeypatch, file_backend, "preadv_all")
+    ts = [PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))]
+    got, _ = store.page_get(ts)
+    assert len(readers) > 1 and failed_at
+    res = got[PoolKind.KV]
+    bad = [i for i, r in enumerate(res) if r is not PageResult.OK]
+    assert bad and all(res[i] is PageResult.FAILED for i in bad)
+    # one run of adjacent records failed: the pages read after it (also in the same share) are fine
+    assert len(bad) <= (64 << 10) // (N + 64) + 1 and max(bad) < COUNT - 1
+    for i, page in enumerate(ts[0].pages):
+        if i not in bad:
+            assert bytes(page.buffers[0].view()) == kit.payload(page.key, N)
+    assert store.backend.usage()["read_failures"] == 1
+
+
+def _slow(monkeypatch: pytest.MonkeyPatch, module: object, name: str, delay: float) -> list[tuple[float, float]]:
+    """Make ``module.name`` take ``delay`` s; record (start, end) of every call."""
+    spans: list[tuple[float, float]] = []
+    real = getattr(module, name)
+
+    def slow(*args: object, **kw: object) -> object:
+        t0 = time.monotonic()
+        time.sleep(delay)
+        try:
+            return real(*args, **kw)
+        finally:
+            spans.append((t0, time.monotonic()))
+
+    monkeypatch.setattr(module, name, slow)
+    return spans
+
+
+def test_every_read_share_stops_at_the_deadline_and_ends_before_the_call(kit, store: Store, monkeypatch) -> None:
+    groups = _stored(kit, store)
+    spans = _slow(monkeypatch, file_backend, "preadv_all", 0.05)
+    readers = _threads_of(monkeypatch, file_backend, "preadv_all")
+    ts = attach_headers([PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))], made=False)
+    deadline = time.monotonic() + 0.12
+    got = store.backend.page_get(ts, deadline)
+    returned = time.monotonic()
+    res = got[PoolKind.KV]
+    assert len(readers) > 1
+    assert returned < deadline + 3.0
+    assert all(t0 <= deadline for t0, _t1 in spans)  # no run started after the deadline, in any share
+    assert all(t1 <= returned for _t0, t1 in spans)  # every share ended before the call returned
+    assert PageResult.FAILED in res and PageResult.OK in res and PageResult.MISS not in res
+    for page, r in zip(ts[0].pages, res, strict=True):
+        if r is PageResult.OK:
+            assert bytes(page.buffers[0].view()) == kit.payload(page.key, N)
+
+
+def test_every_write_share_stops_at_the_deadline_and_ends_before_the_call(
+    kit, store: Store, monkeypatch, tmp_path: Path
+) -> None:
+    spans = _slow(monkeypatch, segment_writer, "pwritev_all", 0.02)
+    writers = _threads_of(monkeypatch, file_backend, "write_segment")
+    groups = _groups(2)
+    n = 65536  # four segments of 12 pages: each written in several 256 KiB calls
+    ts = attach_headers([PageTransfer(PoolKind.KV, kit.pages(PoolKind.KV, groups, n))], made=True)
+    deadline = time.monotonic() + 0.05
+    got = store.backend.page_set(ts, deadline)
+    returned = time.monotonic()
+    assert len(writers) > 1 and returned < deadline + 3.0
+    assert all(t0 <= deadline for t0, _t1 in spans)  # no write call started after the deadline
+    assert all(t1 <= returned for _t0, t1 in spans)  # no thread reads the pages after the return
+    assert got[PoolKind.KV] == [PageResult.FAILED] * COUNT
+    assert not any((tmp_path / "store" / "tmp").iterdir())  # the unfinished segments are gone
+    assert store.backend.usage()["segments"] == 0
+
+
+def test_finished_names_each_ok_page_once_with_its_final_bytes(kit, store: Store, monkeypatch) -> None:
+    groups = _stored(kit, store)
+    order = [*groups[:20], f"{9:08x}{0:056x}", *groups[20:]]
+    ts = attach_headers([PageTransfer(PoolKind.DRAFT, _pages(kit, PoolKind.DRAFT, order, False))], made=False)
+    pages = ts[0].pages
+    told: list[int] = []
+    wrong: list[int] = []
+    threads: set[int] = set()
+
+    def finished(pool: PoolKind, indices: list[int]) -> None:
+        assert pool is PoolKind.DRAFT
+        threads.add(threading.get_ident())
+        for i in indices:
+            told.append(i)
+            p = pages[i]
+            if bytes(p.buffers[0].view()) != kit.payload(p.key, N) or not any(p.header.view()):
+                wrong.append(i)
+
+    got = store.backend.page_get(ts, time.monotonic() + 30, finished)
+    ok = [i for i, r in enumerate(got[PoolKind.DRAFT]) if r is PageResult.OK]
+    assert sorted(told) == ok and len(ok) == COUNT and not wrong and len(threads) > 1
+
+
+def test_rejected_pages_quarantine_their_segment(kit, tmp_path: Path) -> None:
+    store = Store.open("file", {"root": str(tmp_path / "s"), "io_threads": 1})
+    try:
+        groups = _stored(kit, store)
+        backend = store.backend
+        key = f"{groups[5]}.{kit.NS[PoolKind.KV]}"
+        seg, _rec = backend.catalog.lookup(PoolKind.KV, key)
+        backend.page_rejected({PoolKind.KV: [key]})
+        use = backend.usage()
+        assert use["segments_quarantined"] == 1 and use["corrupt_pages"] == 1 and not seg.path.exists()
+        got, _ = store.page_get([PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))])
+        assert got[PoolKind.KV] == [PageResult.MISS] * COUNT
+    finally:
+        store.close()
+
+
+def test_close_shuts_the_worker_pool_down(tmp_path: Path) -> None:
+    store = Store.open("file", {"root": str(tmp_path / "s"), "io_threads": 3})
+    backend = store.backend
+    buf = Buffer.of(bytearray(4096))
+    store.page_set([PageTransfer(PoolKind.KV, [Page(f"{1:064x}.{'a1' * 12}", f"{1:064x}", "a1" * 12, (buf,))])])
+    pool = backend._pool
+    assert pool is not None and backend.workers == 3
+    pool.submit(lambda: None).result(timeout=10)  # the pool has started its threads
+    threads = list(pool._threads)
+    store.close()
+    with pytest.raises(RuntimeError):
+        pool.submit(lambda: None)
+    for t in threads:
+        t.join(timeout=10)
+        assert not t.is_alive()
+
+
+def test_io_threads_default_follows_the_machine(tmp_path: Path) -> None:
+    from hicache_draft_file.backend import FileBackend
+    from hicache_draft_file.options import FileOptions
+
+    b = FileBackend(FileOptions(root=tmp_path / "s"), BackendContext())
+    try:
+        assert b.workers == max(1, min(32, os.cpu_count() or 1))
+    finally:
+        b.close()
+    one = FileBackend(FileOptions(root=tmp_path / "t", io_threads=1), BackendContext())
+    try:
+        assert one.workers == 1 and one._pool is None
+    finally:
+        one.close()
+

@@ -81,3 +81,8 @@ def verify(page_kib: int, pages: int, rounds: int, backend_name: str | None, opt
         if opts is None:
             opts = scratch_options(backend_name, Path(tmp))
         click.echo(measure(backend_name, opts, page_bytes=page_kib << 10, pages=pages, rounds=rounds).row())
+
+
+from hicache_draft.integrations.sglang_bench import sglang_command  # noqa: E402  (imports SGLang only when run)
+
+bench.add_command(sglang_command)

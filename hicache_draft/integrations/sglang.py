@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import logging
 import re
 import threading
@@ -62,8 +63,8 @@ from hicache_draft.integrations.sglang_pools import (
     namespaces,
     pool_path,
     split_factor,
+    staging_pages,
 )
-from hicache_draft.keys import make_key
 from hicache_draft.pools import HostPool, PoolSpec
 from hicache_draft.store import Store
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
@@ -76,6 +77,7 @@ PoolHitPolicy = _sg.PoolHitPolicy
 PoolName = _sg.PoolName
 PoolTransfer = _sg.PoolTransfer
 PoolTransferResult = _sg.PoolTransferResult
+STORAGE_BATCH_SIZE = int(getattr(_sg, "STORAGE_BATCH_SIZE", 128))
 
 log = logging.getLogger("hicache_draft.sglang")
 
@@ -83,6 +85,7 @@ _HEX = re.compile(r"[0-9a-f]+")
 _POOL_OF_NAME = {"kv": PoolKind.KV, "draft": PoolKind.DRAFT}
 _RESULT_FIELDS = frozenset(f.name for f in dataclasses.fields(PoolTransferResult))
 _F = TypeVar("_F", bound=Callable[..., Any])
+_KEY_CACHE = 1 << 15
 
 
 def transfer_result(kv_hit_pages: int, extra_pool_hit_pages: dict[Any, int], restorable: list[int]) -> Any:
@@ -166,6 +169,22 @@ def page_group(sglang_key: str) -> str:
     return low if _HEX.fullmatch(low) else hashlib.sha256(sglang_key.encode()).hexdigest()
 
 
+_HEX_DIGITS = b"0123456789abcdef"
+
+
+def page_groups(sglang_keys: Sequence[str], joined: str | None = None) -> list[str]:
+    """:func:`page_group` of every key; a batch of lowercase hex keys (SGLang's) in whole-batch
+    steps. ``joined``: ``"".join(sglang_keys)`` when the caller has it."""
+    try:
+        if joined is None:
+            joined = "".join(sglang_keys)
+        if all(sglang_keys) and not joined.encode().translate(None, _HEX_DIGITS):
+            return list(sglang_keys)  # every key is non-empty lowercase hex: its own group
+    except (TypeError, UnicodeError):
+        pass
+    return [page_group(k) for k in sglang_keys]
+
+
 def split_generic_key(key: str) -> tuple[PoolKind | None, str]:
     """``"{hash}"`` -> target, ``"{hash}.draft"`` -> draft, ``"{hash}.kv"`` -> target; other
     pool suffixes -> ``None`` (a pool we do not hold)."""
@@ -173,6 +192,19 @@ def split_generic_key(key: str) -> tuple[PoolKind | None, str]:
     if not sep:
         return PoolKind.KV, page_group(key)
     return _POOL_OF_NAME.get(tail), page_group(head)
+
+
+def split_generic_keys(keys: Sequence[str]) -> tuple[list[PoolKind | None], list[str]]:
+    """:func:`split_generic_key` of every key, as (pools, groups); a batch without any ``"."``
+    (target pages only, SGLang's usual batch) in whole-batch steps."""
+    try:
+        joined = "".join(keys)
+    except TypeError:
+        joined = "."
+    if "." not in joined:
+        return [PoolKind.KV] * len(keys), page_groups(keys, joined)
+    parsed = [split_generic_key(k) for k in keys]
+    return [k for k, _ in parsed], [g for _, g in parsed]
 
 
 @dataclass
@@ -183,6 +215,8 @@ class _Job:
     groups: list[str]
     slots: list[int] | None = None
     flats: list[torch.Tensor] | None = None
+    raw: list[torch.Tensor] | None = None  # flats as 1-D bytes (one head part per page)
+    keys: list[str] | None = None  # storage keys, page-major (else made from groups)
 
     @property
     def staged(self) -> bool:
@@ -308,7 +342,7 @@ class HiCacheDraftStorage(HiCacheStorage):
             return view
         needs_staging = path is IOPath.GENERIC or (spec.kind is PoolKind.KV and not self.interface_v1)
         if needs_staging or pool is None:
-            view.staging = Staging(spec.page_nbytes, self.settings.staging_pages)
+            view.staging = Staging(spec.page_nbytes, self._staging_pages(spec))
         zero_copy = path is IOPath.ZERO_COPY
         registration = PoolRegistration(
             pool=spec.kind,
@@ -326,6 +360,9 @@ class HiCacheDraftStorage(HiCacheStorage):
             log.warning("hicache-draft: %s pool offload disabled: %s", spec.kind.value, exc)
             view.path, view.reason = IOPath.DISABLED, str(exc)
         return view
+
+    def _staging_pages(self, spec: PoolSpec) -> int:
+        return staging_pages(spec.page_nbytes, self.settings.staging_pages, STORAGE_BATCH_SIZE)
 
     def _view(self, kind: PoolKind | None) -> PoolView | None:
         view = self.views.get(kind) if kind is not None else None
@@ -359,75 +396,98 @@ class HiCacheDraftStorage(HiCacheStorage):
 
     def _run_chunk(self, op: str, jobs: Sequence[_Job], lo: int, hi: int, out: list[list[bool]]) -> None:
         transfers: list[PageTransfer] = []
-        plans: list[tuple[int, _Job, range, list[tuple[Buffer, torch.Tensor]] | None]] = []
+        plans: list[tuple[int, _Job, int, int, list[tuple[tuple[Buffer], torch.Tensor]] | None]] = []
         for ji, job in enumerate(jobs):
-            idx = range(lo, min(hi, len(job.groups)))
-            if not idx:
+            end = min(hi, len(job.groups))
+            if end <= lo:
                 continue
             view = job.view
-            pages: list[Page] = []
-            staged: list[tuple[Buffer, torch.Tensor]] | None = [] if job.staged else None
-            offset = 0
-            for i in idx:
-                for part, ns in enumerate(view.namespaces):
-                    key = make_key(job.groups[i], ns)
-                    if staged is None:
-                        assert view.pool is not None and job.slots is not None
-                        bufs = view.pool.page_buffers(job.slots[i], part, view.split)
-                    else:
-                        assert view.staging is not None
-                        t = view.staging.chunk(offset, view.part_nbytes)
-                        offset += view.part_nbytes
-                        if op == "set":
-                            self._copy_out(job, i, part, t)
-                        b = Buffer(t.data_ptr(), t.numel(), owner=t)
-                        staged.append((b, t))
-                        bufs = (b,)
-                    pages.append(Page(key=key, group=job.groups[i], namespace=ns, buffers=bufs))
+            split = view.split
+            groups = job.groups[lo:end]
+            keys = view.keys(groups) if job.keys is None else job.keys[lo * split : end * split]
+            staged: list[tuple[tuple[Buffer], torch.Tensor]] | None = None
+            if job.staged:
+                assert view.staging is not None
+                staged = view.staging.parts(view.part_nbytes)[: len(keys)]
+                if op == "set":
+                    self._copy_out(job, lo, staged)
+                bufs: Sequence[tuple[Buffer, ...]] = [b for b, _ in staged]
+            else:
+                assert job.slots is not None
+                bufs = view.slot_buffers.buffers(job.slots[lo:end])
+            if split == 1:
+                pages = list(map(Page, keys, groups, itertools.repeat(view.namespaces[0]), bufs))
+            else:
+                pages = list(map(Page, keys, [g for g in groups for _ in range(split)],
+                                 view.namespaces * len(groups), bufs))
             transfers.append(PageTransfer(pool=view.kind, pages=pages, zero_copy=staged is None))
-            plans.append((ji, job, idx, staged))
+            plans.append((ji, job, lo, end, staged))
         if not transfers:
             return
         if op == "set":
             results, io_done = self.store.page_set_tracked(transfers)
         else:
             results, io_done = self.store.page_get(transfers)
-        for ji, job, idx, staged in plans:
+        ok_result = PageResult.OK
+        for ji, job, start, end, staged in plans:
             got = results.get(job.view.kind, [])
             split = job.view.split
-            for n, i in enumerate(idx):
-                parts = got[n * split : (n + 1) * split]
-                ok = len(parts) == split and all(r is PageResult.OK for r in parts)
-                if ok and op == "get" and staged is not None:
-                    for part in range(split):
-                        self._copy_in(job, i, part, staged[n * split + part][1])
-                out[ji][i] = ok
+            n = end - start
+            if len(got) != n * split:
+                continue  # the Store answers every page; anything else is a failure (already False)
+            if split == 1:
+                oks = [r is ok_result for r in got]
+            else:
+                oks = [all(r is ok_result for r in got[i * split : (i + 1) * split]) for i in range(n)]
+            if op == "get" and staged is not None:
+                self._copy_in(job, start, staged, oks)
+            out[ji][start:end] = oks
         if not io_done.done():  # this call timed out: the backend may still use its staging memory
-            for _, job, _, staged in plans:
+            for _, job, _, _, staged in plans:
                 if staged is not None and job.view.staging is not None:
                     self._warn_once("staging:replaced", "hicache-draft: a backend call timed out; its staging "
                                     "memory is left to it and replaced by unregistered memory")
                     job.view.staging.replace()
 
     @staticmethod
-    def _copy_out(job: _Job, i: int, part: int, dst: torch.Tensor) -> None:
-        view = job.view
-        if job.slots is not None:
-            assert view.pool is not None
-            view.pool.copy_page_out(job.slots[i], dst, part, view.split)
-        else:
-            assert job.flats is not None
-            view.one_page(job.flats[i]).copy_page_out(0, dst, part, view.split)
+    def _copy_out(job: _Job, lo: int, staged: Sequence[tuple[tuple[Buffer], torch.Tensor]]) -> None:
+        """Pages ``lo``... of the job into their staging pieces (page-major, head parts)."""
+        view, split = job.view, job.view.split
+        if job.raw is not None:  # flat pages of one part: their bytes are the page's bytes
+            assert view.staging is not None  # the pieces are the area's first ones, in order
+            n = len(staged)
+            torch.cat(job.raw[lo : lo + n], out=view.staging.tensor[: n * view.part_nbytes])
+            return
+        for n, (_, dst) in enumerate(staged):
+            i, part = lo + n // split, n % split
+            if job.slots is not None:
+                assert view.pool is not None
+                view.pool.copy_page_out(job.slots[i], dst, part, split)
+            else:
+                assert job.flats is not None
+                view.one_page(job.flats[i]).copy_page_out(0, dst, part, split)
 
     @staticmethod
-    def _copy_in(job: _Job, i: int, part: int, src: torch.Tensor) -> None:
-        view = job.view
-        if job.slots is not None:
-            assert view.pool is not None
-            view.pool.copy_page_in(job.slots[i], src, part, view.split)
-        else:
-            assert job.flats is not None
-            view.one_page(job.flats[i]).copy_page_in(0, src, part, view.split)
+    def _copy_in(
+        job: _Job, lo: int, staged: Sequence[tuple[tuple[Buffer], torch.Tensor]], oks: Sequence[bool]
+    ) -> None:
+        """The staging pieces of the pages that came back into their destinations."""
+        view, split = job.view, job.view.split
+        if job.raw is not None:
+            for (_, src), dst, ok in zip(staged, job.raw[lo:], oks, strict=False):
+                if ok:
+                    dst.copy_(src)
+            return
+        for n, (_, src) in enumerate(staged):
+            i, part = lo + n // split, n % split
+            if not oks[n // split]:
+                continue
+            if job.slots is not None:
+                assert view.pool is not None
+                view.pool.copy_page_in(job.slots[i], src, part, split)
+            else:
+                assert job.flats is not None
+                view.one_page(job.flats[i]).copy_page_in(0, src, part, split)
 
     def _slot_job(self, view: PoolView | None, keys: Sequence[str], host_indices: Any) -> _Job | None:
         """A job over host slots (page ``i`` starts at ``host_indices[i * page_size]``); None if unusable."""
@@ -439,14 +499,34 @@ class HiCacheDraftStorage(HiCacheStorage):
             self._warn_once(f"indices:{view.kind}", "hicache-draft: %s: %d host indices for %d pages of %d tokens",
                             view.kind.value, len(idx), len(keys), ps)
             return None
-        slots = [int(idx[i * ps]) for i in range(len(keys))]
-        for s in slots:
-            try:
-                view.pool.page_index(s)
-            except ValueError as exc:
-                self._warn_once(f"slot:{view.kind}", "hicache-draft: %s: %s", view.kind.value, exc)
-                return None
-        return _Job(view=view, groups=[page_group(k) for k in keys], slots=slots)
+        slots = idx[::ps] if isinstance(host_indices, torch.Tensor) else [int(s) for s in idx[::ps]]
+        try:
+            view.slot_buffers.check(slots)
+        except ValueError as exc:
+            self._warn_once(f"slot:{view.kind}", "hicache-draft: %s: %s", view.kind.value, exc)
+            return None
+        return _Job(view=view, groups=page_groups(keys), slots=slots, keys=self._hash_keys(view, keys))
+
+    @staticmethod
+    def _hash_keys(
+        view: PoolView, hashes: Sequence[str], joined: str | None = None, remember: bool = True
+    ) -> list[str]:
+        """``view.keys(page_groups(hashes))``, remembered per SGLang hash for one-part pools (up to
+        :data:`_KEY_CACHE` hashes) by the calls that move pages (``remember``), so that the hit
+        query for pages this server stored or restored is a dictionary lookup per page."""
+        if view.split != 1:
+            return view.keys(page_groups(hashes, joined))
+        cache = view.key_cache
+        try:
+            return list(map(cache.__getitem__, hashes))
+        except (KeyError, TypeError):
+            pass
+        keys = view.keys(page_groups(hashes, joined))
+        if remember:
+            if len(cache) + len(keys) > _KEY_CACHE:
+                cache.clear()
+            cache.update(zip(hashes, keys, strict=True))
+        return keys
 
     # -- zero-copy v1 (target pages by host index) -----------------------------------------------
     @_never_raise(_all_false)
@@ -489,14 +569,12 @@ class HiCacheDraftStorage(HiCacheStorage):
     ) -> Any:
         """Longest stored target prefix, then each extra pool's rule; DRAFT (ALL_PAGES) shortens
         the hit to the draft prefix; pools we do not hold give no hit."""
-        groups = [page_group(k) for k in keys]
+        extra = [(t, _POOL_OF_NAME.get(str(t.name))) for t in pool_transfers or []]
         queries: dict[PoolKind, list[str]] = {}
         for kind in (PoolKind.KV, PoolKind.DRAFT):
             view = self._view(kind)
-            if view is not None and (kind is PoolKind.KV or any(
-                _POOL_OF_NAME.get(str(t.name)) is kind for t in pool_transfers or []
-            )):
-                queries[kind] = [make_key(g, ns) for g in groups for ns in view.namespaces]
+            if view is not None and (kind is PoolKind.KV or any(k is kind for _, k in extra)):
+                queries[kind] = self._hash_keys(view, keys, remember=False)
         counts = self.store.page_exists(queries) if queries else {}
 
         def pages(kind: PoolKind) -> int:
@@ -505,20 +583,18 @@ class HiCacheDraftStorage(HiCacheStorage):
 
         kv_pages = pages(PoolKind.KV)
         hit_count: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
-        restorable = list(range(1, kv_pages + 1))
-        for t in pool_transfers or []:
-            kind = _POOL_OF_NAME.get(str(t.name))
+        final = kv_pages
+        for t, kind in extra:
             if str(getattr(t.hit_policy, "value", t.hit_policy)) == "block_groups":
                 continue  # such a pool reports its own verdict and never gates the KV hit
             boundary = min(pages(kind), kv_pages) if kind is not None else 0
             # Pages are written prefix-first, so the stored prefix answers TRAILING_PAGES too
-            # (conservatively: a window past the prefix is not reported).
-            allowed = set(range(1, boundary + 1))
+            # (conservatively: a window past the prefix is not reported). Restorable prefixes are
+            # 1..n for every pool, so together they are 1..(the smallest boundary).
             if boundary:
                 hit_count[t.name] = boundary
-            restorable = [p for p in restorable if p in allowed]
-        final = restorable[-1] if restorable else 0
-        return transfer_result(final, hit_count, restorable)
+            final = min(final, boundary)
+        return transfer_result(final, hit_count, list(range(1, final + 1)))
 
     @_never_raise(_constant(0))
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
@@ -529,8 +605,23 @@ class HiCacheDraftStorage(HiCacheStorage):
         draft prefix: ``min(target, draft)``, so no restored prefix keeps stale draft KV."""
         if not keys:
             return 0
-        parsed = [split_generic_key(k) for k in keys]
-        kinds = {kind for kind, _ in parsed}
+        try:
+            joined = "".join(keys)
+        except TypeError:
+            joined = "."
+        if "." not in joined:  # target page hashes only (SGLang's hit query)
+            view = self._view(PoolKind.KV)
+            if view is None:
+                return 0
+            legacy = self._legacy_draft
+            if legacy is None:
+                counts = self.store.page_exists({PoolKind.KV: self._hash_keys(view, keys, joined, False)})
+                return counts[PoolKind.KV] // view.split
+            pools = [view, legacy]
+            counts = self.store.page_exists({v.kind: self._hash_keys(v, keys, joined, False) for v in pools})
+            return min(counts.get(v.kind, 0) // v.split for v in pools)
+        kinds_of, groups = split_generic_keys(keys)
+        kinds = set(kinds_of)
         if len(kinds) != 1:
             for i, k in enumerate(keys):
                 if not self.exists(k):
@@ -542,7 +633,7 @@ class HiCacheDraftStorage(HiCacheStorage):
             pools.append(self._legacy_draft)
         if pools[0] is None:
             return 0
-        queries = {v.kind: [make_key(g, ns) for _, g in parsed for ns in v.namespaces] for v in pools if v}
+        queries = {v.kind: v.keys(groups) for v in pools if v}
         counts = self.store.page_exists(queries)
         return min(counts.get(v.kind, 0) // v.split for v in pools if v)
 
@@ -552,30 +643,38 @@ class HiCacheDraftStorage(HiCacheStorage):
 
     # -- SGLang's generic calls: flat data pages ------------------------------------------------
     def _flat_jobs(
-        self, keys: Sequence[str], flats: Sequence[torch.Tensor | None]
+        self, keys: Sequence[str], flats: Sequence[torch.Tensor | None],
+        parsed: tuple[list[PoolKind | None], list[str]] | None = None,
     ) -> tuple[list[_Job], list[list[int]]]:
         """Group ``keys`` by pool into jobs over flat pages; also each job's positions in ``keys``."""
+        kinds, groups = parsed if parsed is not None else split_generic_keys(keys)
         by_kind: dict[PoolKind, tuple[_Job, list[int]]] = {}
-        for pos, (key, flat) in enumerate(zip(keys, flats, strict=True)):
-            kind, group = split_generic_key(key)
+        for pos, (kind, group, flat) in enumerate(zip(kinds, groups, flats, strict=True)):
             view = self._view(kind)
             if view is not None and view.staging is None:
                 with self._lock:
                     if view.staging is None:  # zero-copy pool reached by generic calls: unregistered staging
-                        view.staging = Staging(view.spec.page_nbytes, self.settings.staging_pages)
+                        view.staging = Staging(view.spec.page_nbytes, self._staging_pages(view.spec))
             if view is None or flat is None:
-                self._warn_once(f"generic:{kind}", "hicache-draft: no usable pool for generic key %r", key)
+                self._warn_once(f"generic:{kind}", "hicache-draft: no usable pool for generic key %r", keys[pos])
                 continue
             if flat.numel() * flat.element_size() != view.spec.page_nbytes:
                 self._warn_once(f"size:{kind}", "hicache-draft: flat %s page of %d bytes, expected %d",
                                 view.kind.value, flat.numel() * flat.element_size(), view.spec.page_nbytes)
                 continue
-            entry = by_kind.setdefault(view.kind, (_Job(view=view, groups=[], flats=[]), []))
+            entry = by_kind.get(view.kind)
+            if entry is None:
+                entry = by_kind[view.kind] = (_Job(view=view, groups=[], flats=[]), [])
             entry[0].groups.append(group)
             assert entry[0].flats is not None
             entry[0].flats.append(flat)
             entry[1].append(pos)
         jobs = [j for j, _ in by_kind.values()]
+        for job in jobs:
+            assert job.flats is not None
+            if job.view.split == 1 and all(f.is_contiguous() and f.device.type == "cpu" for f in job.flats):
+                # one part per page: a flat page's bytes in order are the page's stored bytes
+                job.raw = [f.view(-1).view(torch.uint8) for f in job.flats]
         return jobs, [p for _, p in by_kind.values()]
 
     @_never_raise(_constant(False))
@@ -599,17 +698,18 @@ class HiCacheDraftStorage(HiCacheStorage):
     ) -> list[torch.Tensor | None]:
         """Load flat data pages into ``target_locations`` (allocated when absent); the filled
         tensor per key, or None for a page that did not come back."""
+        parsed = split_generic_keys(keys)
         targets: list[torch.Tensor | None] = []
-        for i, key in enumerate(keys):
+        for i, kind in enumerate(parsed[0]):
             given = target_locations[i] if target_locations is not None and i < len(target_locations) else None
             if isinstance(given, torch.Tensor) and given.is_contiguous() and given.device.type == "cpu":
                 targets.append(given)
                 continue
-            view = self._view(split_generic_key(key)[0])
+            view = self._view(kind)
             targets.append(
                 torch.empty(view.spec.page_nbytes // view.spec.itemsize, dtype=view.spec.torch_dtype) if view else None
             )
-        jobs, positions = self._flat_jobs(keys, targets)
+        jobs, positions = self._flat_jobs(keys, targets, parsed)
         got: list[torch.Tensor | None] = [None] * len(keys)
         for pos, res in zip(positions, self._run("get", jobs), strict=True):
             for p, r in zip(pos, res, strict=True):

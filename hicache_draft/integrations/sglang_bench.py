@@ -7,6 +7,10 @@ buffers and transfers built beforehand, as a caller that already holds them woul
 alternate which of the two goes first; the report gives the median time of each and the ratio
 of the medians with the range of the per-round ratios.
 
+Ops: ``set`` (fresh pages each round on each side), ``get`` and ``exists`` (the pages the adapter
+just stored), ``exists-cold`` (the pages the backend's own call stored, with the adapter's key
+cache emptied before each query: a hit query for pages another server wrote).
+
 Paths: ``v1`` (``batch_set_v1`` / ``batch_get_v1`` / ``batch_exists``: target pages zero-copy by
 host index), ``v2`` (``batch_set_v2`` / ``batch_get_v2`` / ``batch_exists_v2`` with a DRAFT
 sidecar: target and draft pages in one backend call) and ``generic`` (``batch_set`` /
@@ -42,7 +46,9 @@ import click
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DRAFT_MODEL = "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B"
 PATHS = ("v1", "v2", "generic")
-OPS = ("set", "get", "exists")
+OPS = ("set", "get", "exists", "exists-cold")
+EXISTS_REPEAT = 20
+"""Existence queries per timing (each is tens of microseconds)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,7 @@ class Row:
     op: str
     adapter: list[float] = field(default_factory=list)
     store: list[float] = field(default_factory=list)
+    copy: list[float] = field(default_factory=list)  # generic set/get: the staging copies alone
 
     @property
     def ratio(self) -> float:
@@ -158,14 +165,25 @@ class Row:
 
     def line(self) -> str:
         rs = self.ratios
-        return (f"{self.path:<8} {self.page:>7} {self.op:<7} adapter {statistics.median(self.adapter) * 1e3:8.3f} ms  "
+        return (f"{self.path:<8} {self.page:>7} {self.op:<11} adapter {statistics.median(self.adapter) * 1e3:8.3f} ms  "
                 f"backend {statistics.median(self.store) * 1e3:8.3f} ms  ratio {self.ratio:5.2f}  "
-                f"(rounds {min(rs):.2f}-{max(rs):.2f})")
+                f"(rounds {min(rs):.2f}-{max(rs):.2f})" + (
+                    f"  staging copy {statistics.median(self.copy) * 1e3:.3f} ms: floor {self.floor:.2f}"
+                    if self.copy else ""))
+
+    @property
+    def floor(self) -> float:
+        """(backend + the generic path's staging copy) / backend: what no adapter goes below."""
+        s = statistics.median(self.store)
+        return (s + statistics.median(self.copy)) / s
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "page": self.page, "op": self.op, "ratio": self.ratio,
-                "adapter_s": statistics.median(self.adapter), "backend_s": statistics.median(self.store),
-                "ratio_min": min(self.ratios), "ratio_max": max(self.ratios)}
+        out = {"path": self.path, "page": self.page, "op": self.op, "ratio": self.ratio,
+               "adapter_s": statistics.median(self.adapter), "backend_s": statistics.median(self.store),
+               "ratio_min": min(self.ratios), "ratio_max": max(self.ratios)}
+        if self.copy:
+            out["copy_s"], out["floor"] = statistics.median(self.copy), self.floor
+        return out
 
 
 @dataclass
@@ -211,9 +229,37 @@ class _Case:
         self._make_key, self._Buffer, self._Page, self._PageTransfer = make_key, Buffer, Page, PageTransfer
         self.flats: list[Any] = []
         self.dummies: list[Any] = []
+        self._area: Any = None
         if path == "generic":
             self.flats = [kv.get_data_page(s) for s in self.slots]
             self.dummies = [kv.get_dummy_flat_data_page() for _ in self.slots]
+
+    def staging_copy(self, op: str) -> Callable[[], bool]:
+        """The generic path's own copies of the same pages (flat pages into a staging area on set,
+        back out on get), with no storage call."""
+        torch = self._torch
+        if self._area is None:  # made and touched once, as the adapter's staging area is
+            nbytes = self.flats[0].numel() * self.flats[0].element_size()
+            self._area = torch.zeros(self.pages * nbytes, dtype=torch.uint8)
+        area = self._area
+        raw = [f.view(-1).view(torch.uint8) for f in (self.flats if op == "set" else self.dummies)]
+        pieces = list(area.split(raw[0].numel()))
+
+        def copy_set() -> bool:
+            torch.cat(raw, out=area)
+            return True
+
+        def copy_get() -> bool:
+            for dst, src in zip(raw, pieces, strict=True):
+                dst.copy_(src)
+            return True
+
+        return copy_set if op == "set" else copy_get
+
+    def forget_keys(self) -> None:
+        """Empty the adapter's key cache (the next query is one for hashes it never saw)."""
+        for view in self.adapter.views.values():
+            view.key_cache.clear()
 
     # -- what each side is handed ---------------------------------------------------------------
     def _sidecars(self, keys: list[str], with_indices: bool) -> list[Any]:
@@ -271,7 +317,7 @@ class _Case:
         from hicache_draft.transfer import PageResult
 
         s = self.store
-        if op == "exists":
+        if op.startswith("exists"):
             queries = self.store_queries(keys)
             return lambda: all(c == len(keys) for c in s.page_exists(queries).values())
         transfers = self.store_transfers(keys, op)
@@ -285,15 +331,23 @@ def _keys(n: int) -> list[str]:
     return [secrets.token_hex(32) for _ in range(n)]
 
 
-def _timed(fn: Callable[[], bool], prof: cProfile.Profile | None = None) -> tuple[float, bool]:
-    if prof is not None:
-        prof.enable()
-    t0 = time.perf_counter()
-    ok = fn()
-    dt = time.perf_counter() - t0
-    if prof is not None:
-        prof.disable()
-    return dt, ok
+def _timed(
+    fn: Callable[[], bool], reps: int = 1, before: Callable[[], None] | None = None,
+    prof: cProfile.Profile | None = None,
+) -> tuple[float, bool]:
+    """Mean seconds of ``reps`` calls (``before`` runs untimed ahead of each) and whether all succeeded."""
+    total, ok = 0.0, True
+    for _ in range(reps):
+        if before is not None:
+            before()
+        if prof is not None:
+            prof.enable()
+        t0 = time.perf_counter()
+        ok = fn() and ok
+        total += time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+    return total / reps, ok
 
 
 def measure(
@@ -360,15 +414,19 @@ def _rounds(case: _Case, page: str, rounds: int, checks: dict[str, bool], prof: 
     for r in range(-1, rounds):  # round -1 warms up and is not counted
         adapter_keys, store_keys = _keys(case.pages), _keys(case.pages)
         for op in OPS:
-            # set: fresh pages on each side; get and exists: the pages the adapter just stored
+            keys = store_keys if op in ("set", "exists-cold") else adapter_keys
+            cold = case.forget_keys if op == "exists-cold" else None
             calls = [
-                ("adapter", case.adapter_call(op, adapter_keys), prof),
-                ("store", case.store_call(op, store_keys if op == "set" else adapter_keys), None),
+                ("adapter", case.adapter_call(op.removesuffix("-cold"), adapter_keys if op == "set" else keys), cold),
+                ("store", case.store_call(op, keys), None),
             ]
+            if case.path == "generic" and op in ("set", "get"):
+                calls.append(("copy", case.staging_copy(op), None))
             if r % 2:
                 calls.reverse()
-            for side, fn, p in calls:
-                dt, ok = _timed(fn, p)
+            reps = EXISTS_REPEAT if op.startswith("exists") else 1
+            for side, fn, before in calls:
+                dt, ok = _timed(fn, reps, before, prof if side == "adapter" else None)
                 name = f"{case.path}/{page}/{op}/{side}"
                 checks[name] = checks.get(name, True) and ok
                 if r >= 0:

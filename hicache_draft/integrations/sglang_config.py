@@ -44,7 +44,10 @@ class AdapterSettings(BaseModel):
         default=None, min_length=1, description=f"draft weights identity; defaults to model + {DRAFT_MODEL_SUFFIX!r}"
     )
     timeout_s: float = Field(default=10.0, gt=0, le=3600, description="bound on every storage call")
-    staging_pages: int = Field(default=16, ge=1, le=4096, description="pages per generic-path staging area")
+    staging_pages: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="pages per generic-path staging area; default: SGLang's batch (128) within 256 MiB, at least 16",
+    )
     legacy_draft_pool: LegacyDraftPool | None = None
 
 

@@ -15,6 +15,7 @@ Which path a pool takes is decided from the backend's declared capabilities only
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from hicache_draft.capabilities import Attention, Capabilities, IOPath, Layout, PoolKind
 from hicache_draft.errors import ConfigError
 from hicache_draft.integrations.sglang_config import LegacyDraftPool, Placement
-from hicache_draft.keys import pool_identities
+from hicache_draft.keys import make_key, pool_identities
 from hicache_draft.paths import PathChoice, choose_path
 from hicache_draft.pools import HostPool, PoolSpec, dtype_name
 from hicache_draft.transfer import Buffer
@@ -133,6 +134,18 @@ def namespaces(spec: PoolSpec, placement: Placement, split: int) -> tuple[str, .
     return tuple(i.fingerprint() for i in ids)
 
 
+STAGING_BYTES = 256 << 20
+"""The default staging area of one pool: up to this many bytes (16 to 128 pages)."""
+
+
+def staging_pages(page_nbytes: int, setting: int | None, batch: int = 128) -> int:
+    """Pages of one staging area: ``setting``, or as many of SGLang's batch (``STORAGE_BATCH_SIZE``)
+    as fit :data:`STAGING_BYTES` (at least 16), so a generic call is one backend call."""
+    if setting is not None:
+        return setting
+    return max(1, min(batch, max(16, STAGING_BYTES // max(1, page_nbytes))))
+
+
 class Staging:
     """Host memory for the generic path of one pool: ``pages`` pages, one call at a time.
 
@@ -145,16 +158,86 @@ class Staging:
         self.pages = pages
         self.lock = threading.Lock()
         self.tensor = torch.zeros(pages * page_nbytes, dtype=torch.uint8)
+        self._parts: dict[int, list[tuple[tuple[Buffer], torch.Tensor]]] = {}
 
     def region(self) -> Buffer:
         return Buffer(self.tensor.data_ptr(), self.tensor.numel(), owner=self.tensor)
 
-    def chunk(self, offset: int, nbytes: int) -> torch.Tensor:
-        return self.tensor[offset : offset + nbytes]
+    def parts(self, nbytes: int) -> list[tuple[tuple[Buffer], torch.Tensor]]:
+        """The area cut into ``nbytes`` pieces, in order: each one's buffer (as a page's buffer
+        tuple) and tensor; made once per size and memory."""
+        got = self._parts.get(nbytes)
+        if got is None:
+            t = self.tensor
+            got = [((Buffer(t.data_ptr() + at, nbytes, owner=t),), t[at : at + nbytes])
+                   for at in range(0, t.numel() - nbytes + 1, nbytes)]
+            self._parts[nbytes] = got
+        return got
 
     def replace(self) -> None:
         """Abandon the current memory to a call that may still use it (its Buffers keep it alive)."""
         self.tensor = torch.zeros(self.pages * self.page_nbytes, dtype=torch.uint8)
+        self._parts = {}
+
+
+_CACHED_BUFFERS = 1 << 18
+"""Zero-copy buffers a pool view keeps (about 20 MB); pages past that are computed per call."""
+
+
+class SlotBuffers:
+    """The zero-copy buffers of a host pool's pages by first host slot, page after page with
+    their head parts (what :meth:`HostPool.page_buffers` gives, without its per-page tensor views).
+
+    Every layout places page ``p``'s regions at page 0's regions plus ``p`` times one stride; that
+    is checked against :meth:`HostPool.page_buffers` for page 1 and the last page when the view is
+    made (otherwise every page asks ``page_buffers``). Pages are kept up to :data:`_CACHED_BUFFERS`
+    buffers."""
+
+    def __init__(self, pool: HostPool, split: int) -> None:
+        self.pool, self.split = pool, split
+        self.page_size = pool.spec.page_size
+        self.slots = pool.slots
+        self.cache: dict[int, tuple[tuple[Buffer, ...], ...]] = {}
+        self.limit = _CACHED_BUFFERS // max(1, pool.spec.buffers_per_page() * split)
+        base = pool.raw.data_ptr()
+        first = self._exact(0)
+        self.template: list[list[tuple[int, int]]] | None = [[(b.ptr - base, b.nbytes) for b in part]
+                                                            for part in first]
+        self.stride = 0
+        if pool.num_pages > 1:
+            self.stride = self._exact(self.page_size)[0][0].ptr - first[0][0].ptr
+            for p in (1, pool.num_pages - 1):
+                if self._shifted(p) != self._exact(p * self.page_size):
+                    self.template = None
+                    break
+
+    def _exact(self, slot: int) -> tuple[tuple[Buffer, ...], ...]:
+        return tuple(self.pool.page_buffers(slot, part, self.split) for part in range(self.split))
+
+    def _shifted(self, page: int) -> tuple[tuple[Buffer, ...], ...]:
+        assert self.template is not None
+        at, owner = self.pool.raw.data_ptr() + page * self.stride, self.pool
+        return tuple(tuple([Buffer(at + off, n, owner) for off, n in part]) for part in self.template)
+
+    def check(self, slots: Sequence[int]) -> None:
+        """ValueError (from :meth:`HostPool.page_index`) for the first slot that does not start a page."""
+        ps, n = self.page_size, self.slots
+        bad = next((s for s in slots if s % ps or not 0 <= s < n), None)
+        if bad is not None:
+            self.pool.page_index(bad)
+
+    def _fill(self, slot: int) -> tuple[tuple[Buffer, ...], ...]:
+        parts = self._exact(slot) if self.template is None else self._shifted(self.pool.page_index(slot))
+        if len(self.cache) < self.limit:
+            self.cache[slot] = parts
+        return parts
+
+    def buffers(self, slots: Sequence[int]) -> list[tuple[Buffer, ...]]:
+        """Each page's (head part's) buffers, page-major, for slots that passed :meth:`check`."""
+        get, fill = self.cache.get, self._fill
+        if self.split == 1:
+            return [(get(s) or fill(s))[0] for s in slots]
+        return [part for s in slots for part in (get(s) or fill(s))]
 
 
 @dataclass
@@ -168,6 +251,15 @@ class PoolView:
     reason: str
     staging: Staging | None = None
     source: object = field(default=None, repr=False)  # the SGLang host pool
+    _suffixes: tuple[str, ...] = field(default=(), init=False, repr=False)
+    _slot_buffers: SlotBuffers | None = field(default=None, init=False, repr=False)
+    key_cache: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # SGLang hash -> key
+
+    def __post_init__(self) -> None:
+        # make_key(group, ns) is the group followed by a suffix of ns alone: keys are built as
+        # group + suffix (one concatenation per page instead of a call and a format)
+        self._suffixes = tuple(make_key("", ns) for ns in self.namespaces)
+        assert all(make_key("0a", ns) == "0a" + suf for ns, suf in zip(self.namespaces, self._suffixes, strict=True))
 
     @property
     def kind(self) -> PoolKind:
@@ -180,6 +272,21 @@ class PoolView:
     @property
     def part_nbytes(self) -> int:
         return self.spec.page_nbytes // self.split
+
+    def keys(self, groups: Sequence[str]) -> list[str]:
+        """``make_key(group, namespace)`` of every page and head part, page-major."""
+        if len(self._suffixes) == 1:
+            suf = self._suffixes[0]
+            return [g + suf for g in groups]
+        return [g + suf for g in groups for suf in self._suffixes]
+
+    @property
+    def slot_buffers(self) -> SlotBuffers:
+        """The zero-copy buffers of the registered pool (made on first use)."""
+        if self._slot_buffers is None:
+            assert self.pool is not None
+            self._slot_buffers = SlotBuffers(self.pool, self.split)
+        return self._slot_buffers
 
     def one_page(self, flat: torch.Tensor) -> HostPool:
         """A one-page pool over a flat SGLang data page (``get_data_page(i, flat=True)`` order)."""

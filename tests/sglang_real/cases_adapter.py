@@ -294,6 +294,31 @@ def test_v2_sends_target_and_draft_in_one_backend_call():
     assert MemoryBackend.calls == [("page_set", {PoolKind.KV: 3, PoolKind.DRAFT: 3})]
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(st.text(max_size=6), st.text(alphabet="0123456789abcdefABCDEF.", max_size=66)),
+                min_size=0, max_size=6))
+def test_whole_batch_groups_are_the_per_key_rule(keys):
+    """page_groups / split_generic_keys (whole-batch steps) give what page_group / split_generic_key
+    give key by key, for hex, upper-case, empty, dotted and arbitrary keys."""
+    assert adapter_mod.page_groups(keys) == [adapter_mod.page_group(k) for k in keys]
+    kinds, groups = adapter_mod.split_generic_keys(keys)
+    assert list(zip(kinds, groups, strict=True)) == [adapter_mod.split_generic_key(k) for k in keys]
+
+
+def test_remembered_keys_never_answer_for_another_pool_or_a_suffixed_key(backend):
+    """The key cache is per pool view: a hash stored as a target page through v1 is no draft hit,
+    and the same string with a ".draft" suffix asks the draft pool."""
+    name, options = backend
+    adapter = attach(build(extra_config(name, options)), mha(seed=1), mha(layers=1, seed=2))
+    keys = hashes(3, salt=21)
+    assert adapter.batch_set_v1(keys, indices([0, 4, 8])) == [True] * 3
+    assert adapter.batch_exists(keys) == 3
+    assert adapter.batch_exists([f"{k}.draft" for k in keys]) == 0
+    hit = adapter.batch_exists_v2(keys, [draft_transfer(None, None)])
+    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (0, {PoolName.KV: 3})
+    assert adapter.batch_exists([k.upper() for k in keys]) == 3  # SGLang hashes are case-free hex
+
+
 def test_generic_path_chunks_through_small_staging():
     extra = extra_config("generic-only", {"space": secrets.token_hex(4)}, staging_pages=2)
     kv = mha("layer_first", seed=5)

@@ -16,7 +16,14 @@ from hicache_draft import Attention, Capabilities, IOPath, Layout, PoolCapabilit
 from hicache_draft.config import ParallelConfig
 from hicache_draft.errors import ConfigError
 from hicache_draft.integrations.sglang_config import Placement
-from hicache_draft.integrations.sglang_pools import host_pool_spec, namespaces, pool_path, split_factor
+from hicache_draft.integrations.sglang_pools import (
+    SlotBuffers,
+    host_pool_spec,
+    namespaces,
+    pool_path,
+    split_factor,
+    staging_pages,
+)
 from hicache_draft.pools import HostPool
 
 MHA_LAYOUTS, MLA_LAYOUTS = hr.MHA_LAYOUTS, hr.MLA_LAYOUTS
@@ -77,6 +84,36 @@ def test_split_head_parts_point_where_sglang_split_meta_points():
     our_ptrs, our_sizes = view.page_buffer_meta([8, 12], split=2)
     assert our_ptrs == sg_ptrs
     assert our_sizes == sg_sizes
+
+
+@pytest.mark.parametrize(("attention", "layout", "split"),
+                         [*[(a, lay, 1) for a, lay in CASES], ("mha", "page_head", 2)])
+def test_slot_buffers_are_page_buffers_for_every_page(attention, layout, split):
+    """The adapter's buffers (page 0's regions shifted by the page stride, cached) are exactly
+    HostPool.page_buffers, head part by head part, for every page of SGLang's pool, twice (cached)."""
+    view = ours(make_pool(attention, layout, heads=4, num_pages=7))
+    sb = SlotBuffers(view, split)
+    assert sb.template is not None  # every layout is one stride per page
+    slots = [p * view.spec.page_size for p in range(view.num_pages)]
+    want = [view.page_buffers(s, part, split) for s in slots for part in range(split)]
+    assert sb.buffers(slots) == want
+    assert sb.buffers(slots[::-1]) == [view.page_buffers(s, part, split) for s in slots[::-1] for part in range(split)]
+
+
+@pytest.mark.parametrize("slot", [1, -4, 10_000])
+def test_slot_buffers_check_names_a_slot_that_starts_no_page(slot):
+    sb = SlotBuffers(ours(make_pool("mha", "page_first")), 1)
+    with pytest.raises(ValueError, match=f"host slot {slot} "):
+        sb.check([0, slot, 4])
+    sb.check([0, 4, 8])
+
+
+def test_default_staging_holds_sglang_batch_within_its_byte_bound():
+    assert staging_pages(64 << 10, None) == 128
+    assert staging_pages(1 << 20, None) == 128
+    assert staging_pages(8 << 20, None) == 32
+    assert staging_pages(64 << 20, None) == 16
+    assert staging_pages(8 << 20, 3) == 3
 
 
 def test_spec_reads_sglang_attributes():

@@ -469,11 +469,14 @@ class _EarlyVerifier:
             if not self.open:
                 return
             for i in indices:
-                if 0 <= i < len(pages) and (pool, i) not in self.started:
+                if isinstance(i, int) and 0 <= i < len(pages) and (pool, i) not in self.started:
                     todo.append((pool, i, pages[i]))
             if not todo:
                 return
-            fut = self.store._verifiers().submit(_problems, todo)
+            try:
+                fut = self.store._verifiers().submit(_problems, todo)
+            except RuntimeError:  # the store is closing: these pages are checked after the call instead
+                return
             for _, i, _ in todo:
                 self.started[(pool, i)] = fut
 
@@ -486,7 +489,8 @@ class _EarlyVerifier:
         with self.lock:
             self.open = False
             started = dict(self.started)
-        later = []
+        later: list[tuple[PoolKind, int, Page]] = []
+        problems_early: list[tuple[PoolKind, int, Page, PageFormatError]] = []
         early: dict[int, Future[list[Any]]] = {}
         for pool, pages in self.pages.items():
             for i, page in enumerate(pages):
@@ -497,10 +501,15 @@ class _EarlyVerifier:
                     later.append((pool, i, page))
                 else:
                     early[id(fut)] = fut
-        problems = self.store._check(later) if later else []
         for fut in early.values():
-            problems.extend(p for p in fut.result() if out[p[0]][p[1]] is PageResult.OK)
-        self.store._mark(problems, out)
+            try:
+                found = fut.result()
+            except Exception:  # noqa: BLE001 - a check that did not finish is done again here
+                later.extend((pool, i, self.pages[pool][i]) for (pool, i), f in started.items()
+                             if f is fut and out[pool][i] is PageResult.OK)
+                continue
+            problems_early.extend(p for p in found if out[p[0]][p[1]] is PageResult.OK)
+        self.store._mark([*problems_early, *(self.store._check(later) if later else [])], out)
 
 
 def _problems(todo: Sequence[tuple[PoolKind, int, Page]]) -> list[tuple[PoolKind, int, Page, PageFormatError]]:

@@ -374,3 +374,38 @@ def test_the_backend_hears_which_pages_failed_verification_and_can_drop_them():
     assert reader.store.page_exists({KV: keys}) == {KV: 0}  # dropped: a clean miss, and storable again
     assert writer.backup(toks, slots(range(2))).pages_written == {KV: 2}
     assert reader.prefetch(toks, slots(range(8, 10))).pages == 2
+
+
+class Announces(MemoryBackend):
+    """Reports pages finished as it goes (with some nonsense indices too), optionally rotten."""
+
+    rot: ClassVar[set[int]] = set()
+    announced: ClassVar[list[int]] = []
+
+    @hookimpl
+    def page_get(self, transfers, finished):  # noqa: ANN001, ANN201
+        out = {}
+        for t in transfers:
+            res = []
+            for i, p in enumerate(t.pages):
+                r = self._read_one(t.pool, p)
+                if r is OK and i in type(self).rot:
+                    p.buffers[0].view()[0] ^= 0xFF
+                finished(t.pool, [i, -1, 10_000, "x"])
+                type(self).announced.append(i)
+                res.append(r)
+            out[t.pool] = res
+        return out
+
+
+def test_pages_announced_finished_are_verified_early_and_still_judged():
+    Announces.rot, Announces.announced = {1}, []
+    writer, reader = _pair(make_config(draft=None, batch_pages=8), Announces)
+    toks = tokens(4)
+    writer.backup(toks[:12], slots(range(3)))  # page 3 never stored: a MISS that was announced finished
+    res = reader.prefetch(toks, slots(range(8, 12)))
+    assert Announces.announced[:3] == [0, 1, 2]
+    assert res.pages == 1 and reader.metrics.snapshot()["kv"]["corrupt"] == 1
+    _restored_pages_are_exact(writer, reader, res, slots(range(4)), slots(range(8, 12)))
+    Announces.rot = set()
+    assert reader.prefetch(toks, slots(range(8, 12))).pages == 3

@@ -734,11 +734,35 @@ class FileBackend(StorageBackend):
         if sr.error is not None:
             self.stats.read_failures += 1
             self._log_once(f"read:{sr.error.errno}", "file backend: reading %s failed: %s", seg.path, sr.error.strerror)
+        if sr.any_ok and not self._still_published(seg):
+            # evicted by another process while we read, and its file maybe recycled into another
+            # segment under our descriptor: what was read may be anyone's bytes, so nothing of it
+            # counts (a miss, as the pages are gone), never handed to the core as OK
+            for _off, _n, pool, i, _page in sr.items:
+                if results[pool][i] is _OK:
+                    results[pool][i] = PageResult.MISS
+            with self._lock:
+                self._drop(seg.name)
+            return
         if sr.any_ok and self.writable:
             with contextlib.suppress(OSError):
                 os.utime(sr.handle.fd)  # recency for LRU eviction, seen by every process
         if sr.bad:
             self._on_bad(seg, sr.bad, results)
+
+    def _still_published(self, seg: Segment) -> bool:
+        """Whether ``seg``'s name still holds the file that was loaded. A published file is never
+        written again while it has its name (an evicted file leaves ``seg/`` by rename before it is
+        recycled), so a read that ends with this true read the segment's own bytes."""
+        try:
+            with self.dirs.fan(fanout_dir(seg.name), create=False) as d:
+                if d < 0:
+                    return False
+                return ident(os.stat(seg.name + SEGMENT_SUFFIX, dir_fd=d, follow_symlinks=False)) == seg.ident
+        except FileNotFoundError:
+            return False
+        except OSError:  # cannot tell (the payloads are still verified by the core)
+            return True
 
     @hookimpl
     def page_rejected(self, rejected: Mapping[PoolKind, Sequence[str]]) -> None:
@@ -772,13 +796,8 @@ class FileBackend(StorageBackend):
         self, seg: Segment, bad: list[tuple[PoolKind, int, str]], results: dict[PoolKind, list[PageResult]]
     ) -> None:
         """Failed validation: corruption, or a segment evicted and recycled under us."""
-        try:
-            with self.dirs.fan(fanout_dir(seg.name), create=False) as d:
-                same = d >= 0 and ident(
-                    os.stat(seg.name + SEGMENT_SUFFIX, dir_fd=d, follow_symlinks=False)) == seg.ident
-        except FileNotFoundError:
-            same = False
-        if not same:  # removed by another process: the pages are simply gone
+        if not self._still_published(seg):  # removed by another process: the pages are simply gone
+
             with self._lock:
                 self._drop(seg.name)
             return

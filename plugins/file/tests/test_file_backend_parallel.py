@@ -245,3 +245,31 @@ def test_io_threads_default_follows_the_machine(tmp_path: Path) -> None:
     finally:
         one.close()
 
+
+
+def test_a_segment_recycled_while_read_is_a_miss_never_corrupt(kit, store: Store, monkeypatch) -> None:
+    """Another process evicts the segment (renames it out of seg/) and reuses its file while this
+    one reads through its descriptor: the headers read may still pass, the payloads are someone
+    else's. The pages are gone: a miss, never OK, never counted corrupt by the core."""
+    groups = _stored(kit, store, tag=3)
+    real = file_backend.preadv_all
+    moved: list[Path] = []
+    lock = threading.Lock()
+
+    def evict_then_read(fd: int, views: list[memoryview], offset: int) -> int:
+        with lock:
+            if not moved:
+                for seg in list(store.backend.catalog.segments.values()):
+                    dst = seg.path.with_name(seg.name + ".recycled")
+                    os.rename(seg.path, dst)
+                    moved.append(dst)
+                    with open(dst, "r+b") as f:  # a new writer overwrites the payloads, headers kept
+                        for k in range(len(seg.index)):
+                            f.seek(seg.offset(k) + 64)
+                            f.write(b"\x5a" * N)
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(file_backend, "preadv_all", evict_then_read)
+    got, _ = store.page_get([PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))])
+    assert moved and got[PoolKind.KV] == [PageResult.MISS] * COUNT
+    assert store.corrupt_pages == 0 and store.backend.usage()["corrupt_pages"] == 0

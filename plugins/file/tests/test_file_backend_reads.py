@@ -184,6 +184,6 @@ def test_the_benchmark_round_runs_on_registered_pools(tmp_path: Path) -> None:
     pages through the registered pools, and ratios come out for both paths."""
     res = bench_size(tmp_path, 64 << 10, 1)
     for op in ("set", "get"):
-        assert set(res.gbps[op]) == {"zero_copy", "generic", "baseline", "baseline_threads"}
+        assert set(res.gbps[op]) == {"zero_copy", "generic", "baseline", "baseline_threads", "hook"}
         assert all(v > 0 for v in res.gbps[op].values())
-        assert set(res.ratios[op]) == {"zero_copy", "generic", "baseline_threads", "zero_copy_vs_threads"}
+        assert set(res.ratios[op]) == {"zero_copy", "generic", "baseline_threads", "zero_copy_vs_threads", "hook"}

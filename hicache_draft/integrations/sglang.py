@@ -38,7 +38,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -442,6 +442,17 @@ class HiCacheDraftStorage(HiCacheStorage):
             if op == "get" and staged is not None:
                 self._copy_in(job, start, staged, oks)
             out[ji][start:end] = oks
+        if not io_done.done() and any(t.zero_copy for t in transfers):
+            # SGLang reuses these host slots as soon as it sees the failure: give the abandoned call up
+            # to timeout_s more to let go of them (this blocks only SGLang's I/O thread, bounded)
+            with suppress(BaseException):
+                io_done.result(timeout=self.store.timeout_s)
+            if not io_done.done():
+                self._warn_once(
+                    "slots:held", "hicache-draft: backend %r ignored its deadline by more than timeout_s and may "
+                    "still %s SGLang's host slots; a late read is never stored as data, but fix the backend",
+                    self.store.name, "write into" if op == "get" else "read",
+                )
         if not io_done.done():  # this call timed out: the backend may still use its staging memory
             for _, job, _, _, staged in plans:
                 if staged is not None and job.view.staging is not None:

@@ -520,6 +520,30 @@ def test_a_hung_backend_call_is_bounded_and_its_staging_is_abandoned():
     assert adapter.batch_set_v1(keys, indices([0])) == [True]  # the fresh staging works
 
 
+def test_a_late_zero_copy_get_never_writes_after_sglang_got_its_answer():
+    """A backend sleeps past its deadline, then fills the host slots: the adapter gives it up to
+    timeout_s more before answering SGLang, which reuses the slots at once on a failure."""
+    import time
+
+    space = secrets.token_hex(4)
+    writer = attach(build(extra_config("memory", {"space": space}, timeout_s=0.25)), mha(seed=1))
+    keys = hashes(1, salt=14)
+    assert writer.batch_set_v1(keys, indices([0])) == [True]
+    pool = mha(seed=3)
+    reader = attach(build(extra_config("memory", {"space": space}, timeout_s=0.25)), pool)
+    from hicache_draft import IOPath
+
+    assert reader.views[PoolKind.KV].path is IOPath.ZERO_COPY
+    MemoryBackend.faults = Faults(delay_s={"page_get": 0.4})  # past the deadline, within the grace
+    before = hr.page_bytes(pool, 8)
+    assert reader.batch_get_v1(keys, indices([8])) == [False]
+    answered = hr.page_bytes(pool, 8)
+    time.sleep(0.4)
+    assert hr.page_bytes(pool, 8) == answered, "the backend wrote into SGLang's slot after the adapter answered"
+    assert answered != before  # the late call did write, but before the adapter answered
+    MemoryBackend.faults = Faults()
+
+
 def test_a_corrupt_page_is_a_miss_and_leaves_the_host_page_alone():
     extra = extra_config("generic-only", {"space": secrets.token_hex(4)})
     adapter = attach(build(extra), mha(seed=1))

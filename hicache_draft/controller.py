@@ -127,15 +127,21 @@ class Operation:
             return False
         with self._lock:
             pending = list(self._pending_io)
-        for f in pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                f.result(timeout=left)
-            except FutureTimeout:
-                return False
-            except Exception:  # noqa: S110 - an I/O error still releases the buffers
-                pass
-        return True
+        return _all_done(pending, deadline)
+
+
+def _all_done(futures: Sequence[Future[Any]], deadline: float | None) -> bool:
+    """Wait for every future until ``deadline`` (``time.monotonic()``; None: no limit); a call that
+    failed has let go of its buffers too."""
+    for f in futures:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            f.result(timeout=left)
+        except FutureTimeout:
+            return False
+        except BaseException:  # noqa: S110
+            pass
+    return True
 
 
 @dataclass
@@ -379,14 +385,8 @@ class CacheController:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._held_lock:
             pending = [f for f, _ in self._held]
-        for f in pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                f.result(timeout=left)
-            except FutureTimeout:
-                return False
-            except BaseException:  # noqa: S110 - a failed call has let go of its buffers too
-                pass
+        if not _all_done(pending, deadline):
+            return False
         self.held_slots()  # prune
         return True
 

@@ -57,6 +57,17 @@ def make_controller(
     return CacheController(config, store, num_pages)
 
 
+def make_pair(
+    config: Config, backend: type[MemoryBackend] = MemoryBackend, num_pages: int = 16
+) -> tuple[CacheController, CacheController]:
+    """A writer (pools filled with random bytes) and a reader over one fresh in-memory space."""
+    space = secrets.token_hex(4)
+    writer = make_controller(config, backend, space, num_pages)
+    reader = make_controller(config, backend, space, num_pages)
+    fill_random(writer)
+    return writer, reader
+
+
 def fill_random(ctrl: CacheController) -> None:
     ctrl.target_pool.raw.copy_(torch.randint(0, 256, ctrl.target_pool.raw.shape, dtype=torch.uint8))
     if ctrl.draft_pool is not None:

@@ -13,7 +13,7 @@ from hicache_draft.cli import check_report
 from hicache_draft.config import PrefetchPolicy
 from hicache_draft.plugins import register_backend, unregister_backend
 from hicache_draft.testing import Faults, MemoryBackend
-from tests.helpers import PS, fill_random, make_config, make_controller, slots, tokens
+from tests.helpers import PS, fill_random, make_config, make_controller, make_pair, slots, tokens
 
 KV, DRAFT = PoolKind.KV, PoolKind.DRAFT
 ALL_LAYOUTS = frozenset(Layout)
@@ -38,12 +38,7 @@ def _reset():
     MemoryBackend.reset()
 
 
-def _pair(cfg, backend=MemoryBackend, num_pages=16):
-    space = secrets.token_hex(4)
-    writer = make_controller(cfg, backend, space, num_pages)
-    reader = make_controller(cfg, backend, space, num_pages)
-    fill_random(writer)
-    return writer, reader
+_pair = make_pair
 
 
 def _same(writer, reader, wslots, rslots, pool=KV):

@@ -22,7 +22,7 @@ from hicache_draft import HEADER_SIZE, Capabilities, PageResult, PageTransfer, P
 from hicache_draft.capabilities import Attention, Layout
 from hicache_draft.config import PrefetchPolicy
 from hicache_draft.testing import Faults, MemoryBackend
-from tests.helpers import fill_random, make_config, make_controller, slots, tokens
+from tests.helpers import fill_random, make_config, make_controller, make_pair, slots, tokens
 
 KV, DRAFT = PoolKind.KV, PoolKind.DRAFT
 OK = PageResult.OK
@@ -35,12 +35,7 @@ def _reset():
     MemoryBackend.reset()
 
 
-def _pair(cfg, backend=MemoryBackend, num_pages=16):
-    space = secrets.token_hex(4)
-    writer = make_controller(cfg, backend, space, num_pages)
-    reader = make_controller(cfg, backend, space, num_pages)
-    fill_random(writer)
-    return writer, reader
+_pair = make_pair
 
 
 def _pool(ctrl, kind):

@@ -22,6 +22,17 @@ from hicache_draft.testing import ConformanceSuite, MemoryBackend
 KV = PoolKind.KV
 
 
+def _fill_what_fits(page: Page, blob: bytes) -> PageResult:
+    """A stored blob (header, then bytes) into the page, as much as fits, answered OK."""
+    page.header.view()[:] = blob[:HEADER_SIZE]
+    at = HEADER_SIZE
+    for b in page.buffers:
+        n = min(b.nbytes, len(blob) - at)
+        b.view()[:n] = blob[at : at + n]
+        at += n
+    return PageResult.OK
+
+
 class _Faulty(MemoryBackend):
     """The memory backend, with hooks that route the kv pool through ``_kv_*`` methods."""
 
@@ -45,13 +56,7 @@ class IgnoresNamespace(_Faulty):
         if other is None:
             return PageResult.MISS
         blob = self.data[other]
-        page.header.view()[:] = blob[:HEADER_SIZE]
-        at = HEADER_SIZE
-        for b in page.buffers:
-            n = min(b.nbytes, len(blob) - at)
-            b.view()[:n] = blob[at : at + n]
-            at += n
-        return PageResult.OK
+        return _fill_what_fits(page, blob)
 
 
 class PhantomZeros(_Faulty):
@@ -74,13 +79,7 @@ class WrongSizeOK(_Faulty):
             blob = self.data.get(page.key)
         if blob is None:
             return PageResult.MISS
-        page.header.view()[:] = blob[:HEADER_SIZE]
-        at = HEADER_SIZE
-        for b in page.buffers:
-            n = min(b.nbytes, len(blob) - at)
-            b.view()[:n] = blob[at : at + n]
-            at += n
-        return PageResult.OK
+        return _fill_what_fits(page, blob)
 
 
 class OutOfOrder(_Faulty):

@@ -7,6 +7,17 @@ rename), and one ``page_get`` reads each run of adjacent records with one ``prea
 the destination buffers. Existence is a dict lookup in an in-memory index that is rebuilt at
 start-up from one footer per segment and kept current across processes by a shared journal.
 
+One call uses the machine's cores (``io_threads``, default ``os.cpu_count()``): a large read is cut
+into contiguous shares of its runs, a large write into one segment per worker (buffered writes to
+one file are serialised by the kernel), each share done by a thread of the pool or the calling
+thread; ``preadv``/``pwritev`` release the GIL. Every share checks the deadline before each run
+(or write call), and the call returns only when every share has ended. Reads check each record's
+header (magic, its checksum, key, namespace, pool, length) and tell the core which pages are
+final (``finished``), so it verifies payloads while the rest is read; the payload checksum is the
+core's alone, and a page it rejects (``page_rejected``) gets its segment quarantined. A segment
+that left ``seg/`` while it was read (evicted, its file maybe recycled) yields misses.
+
+
 Who owns what, under which lock (one process; locks taken in this order, never the reverse):
 
 * ``_fs_lock`` then the flock on ``ROOT/lock`` (the root lock): shared to publish a segment (rename

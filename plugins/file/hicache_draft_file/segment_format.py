@@ -12,9 +12,11 @@ A segment holds the pages of one ``page_set`` call (target and draft of a group 
     trailer         64 bytes, layout below
 
 The file is written under ``tmp/`` and renamed into ``seg/`` only when complete, so a published
-segment is never torn by a crashed writer. Every record keeps its own header checksums (xxh3_64
-of the payload, checked on every read), and the footer has an xxh3_64 checksum in the trailer,
-so a segment truncated or damaged later is detected, never read as data. Loading an index reads
+segment is never torn by a crashed writer. Every record keeps the core's header (its own xxh32,
+and the xxh3_64 of the payload, which the core checks after every read through a ``Store``; the
+backend checks the rest of the header), and the footer has an xxh3_64 checksum in the trailer,
+so a segment truncated or damaged later is detected, never read as data.
+ Loading an index reads
 only the tail of the file: a restart reads one footer per segment, not one header per page.
 """
 

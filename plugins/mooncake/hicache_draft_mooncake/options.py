@@ -86,8 +86,8 @@ class MooncakeOptions(BaseModel):
     )
     pipeline_bytes: int = Field(
         default=16 << 20, ge=0,
-        description="split a batch into native calls of about this many bytes and checksum one while the "
-        "next moves (0: one call per batch)",
+        description="staged pages: split a batch into native calls of about this many bytes, copying one while "
+        "the next moves (0: one call per max_staging_bytes); direct pages go in one call per max_batch_pages",
     )
     log_level: Literal["INFO", "WARNING", "ERROR"] = Field(
         default="ERROR", description="default for MC_LOG_LEVEL (Mooncake's own logging)"

@@ -74,9 +74,10 @@ def page_get(
     verifies every ``OK`` page against its header; one that does not match counts as ``CORRUPT``.
 
     ``finished(pool, indices)`` (optional to use): tell the core that those pages of ``pool``'s
-    transfer hold their final header and bytes, so it verifies them while you read the rest
-    (verification then costs little more than the last pages). After it, as after returning, do
-    not write those pages' buffers again. Only the results you return decide what counts.
+    transfer hold their final header and bytes. The core verifies them right then, in your thread,
+    while their bytes are still in its cache (call it from each of your reader threads, right after
+    its read). After it, as after returning, do not write those pages' buffers again. Only the
+    results you return decide what counts.
     A page whose result is not ``OK`` may have buffers partly written; the controller treats
     them as garbage. Once ``page_get`` has returned, it must not touch the buffers again.
     """

@@ -444,8 +444,9 @@ def attach_headers(
 
 
 class _EarlyVerifier:
-    """The core's verification of one ``page_get``, started early where the backend says a page is
-    final (the ``finished`` argument), so that checking overlaps the reading of the rest.
+    """The core's verification of one ``page_get``, done early where the backend says a page is
+    final (the ``finished`` argument): in the backend's thread, while the bytes are in its cache,
+    and overlapping the reading of the rest.
 
     It trusts ``finished`` exactly as far as the core trusts a return: after it (or after
     returning) the backend must not write the page's buffers again. What is checked, and what
@@ -460,7 +461,9 @@ class _EarlyVerifier:
         self.open = True
 
     def finished(self, pool: PoolKind, indices: Iterable[int]) -> None:
-        """Pages ``indices`` of ``pool``'s transfer hold their final header and bytes."""
+        """Pages ``indices`` of ``pool``'s transfer hold their final header and bytes: the core
+        checks them now, in the calling thread, while their bytes are still in its CPU cache (a
+        backend that reads with several threads verifies with all of them)."""
         pages = self.pages.get(pool)
         if pages is None:
             return
@@ -473,12 +476,15 @@ class _EarlyVerifier:
                     todo.append((pool, i, pages[i]))
             if not todo:
                 return
-            try:
-                fut = self.store._verifiers().submit(_problems, todo)
-            except RuntimeError:  # the store is closing: these pages are checked after the call instead
-                return
+            fut: Future[list[Any]] = Future()
             for _, i, _ in todo:
                 self.started[(pool, i)] = fut
+        try:
+            fut.set_result(_problems(todo))
+        except BaseException as exc:  # a check that did not finish is redone after the call
+            fut.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
 
     def abandon(self) -> None:
         with self.lock:

@@ -172,6 +172,37 @@ def parse_header(raw: bytes | memoryview, key: str, namespace: str, pool: PoolKi
     return PageHeader(pool, plen, csum, ns, kd)
 
 
+_PREFIX = struct.Struct("<8sHBBIQ")  # magic .. payload length: the first 24 bytes
+
+
+@functools.lru_cache(maxsize=256)
+def _prefix(pool: PoolKind, payload_len: int) -> bytes:
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, _POOL_CODE[pool], 0, HEADER_SIZE, payload_len)
+
+
+_CSUM = struct.Struct("<Q")
+
+
+def check_page(
+    header: bytes | bytearray | memoryview, key: str, namespace: str, pool: PoolKind,
+    payload: Sequence[memoryview | bytes | bytearray], payload_len: int,
+) -> None:
+    """:func:`parse_header` and :func:`verify_payload` in one pass, for the core's check of every
+    restored page: the header must be exactly the one the core makes for ``key`` and a payload of
+    ``payload_len`` bytes, and the payload's checksum the one it holds. Raises
+    :class:`PageFormatError` naming the first problem (found by the full parser)."""
+    raw = bytes(header[:HEADER_SIZE])
+    if (
+        raw[:24] != _prefix(pool, payload_len)
+        or raw[32:60] != namespace_bytes(namespace) + key_digest(key)
+        or raw[60:64] != _HEADER_SUM.pack(xxhash.xxh32_intdigest(raw[:60]))
+    ):
+        verify_payload(parse_header(raw, key, namespace, pool), payload, payload_len)
+        raise PageFormatError(HeaderProblem.VERSION, "unknown flags")  # all the parser does not check
+    if checksum(payload) != _CSUM.unpack_from(raw, 24)[0]:
+        raise PageFormatError(HeaderProblem.PAYLOAD_CHECKSUM)
+
+
 def verify_payload(header: PageHeader, payload: Iterable[memoryview | bytes | bytearray], expected_len: int) -> None:
     """Check length and checksum of a payload just read; raise :class:`PageFormatError`."""
     if header.payload_len != expected_len:

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ValidationError
 from hicache_draft.backend import BackendContext, StorageBackend
 from hicache_draft.capabilities import Capabilities, PoolKind
 from hicache_draft.errors import BackendSetupError, ConfigError, PluginError
-from hicache_draft.page_format import HEADER_SIZE, PageFormatError, make_headers, parse_header, verify_payload
+from hicache_draft.page_format import HEADER_SIZE, PageFormatError, check_page, make_headers
 from hicache_draft.plugins import get_backend, new_plugin_manager
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
 
@@ -523,16 +523,16 @@ def _problems(todo: Sequence[tuple[PoolKind, int, Page]]) -> list[tuple[PoolKind
     for pool, i, page in todo:
         try:
             assert page.header is not None
-            head = parse_header(page.header.view(), page.key, page.namespace, pool)
-            verify_payload(head, [b.view() for b in page.buffers], page.nbytes)
+            check_page(page.header.view(), page.key, page.namespace, pool, [b.view() for b in page.buffers],
+                       page.nbytes)
         except PageFormatError as exc:
             bad.append((pool, i, page, exc))
     return bad
 
 
 def _as_result(r: object) -> PageResult:
-    if isinstance(r, PageResult):
-        return r
+    if r.__class__ is PageResult:
+        return r  # type: ignore[return-value]
     if r is True:
         return PageResult.OK
     if r is False or r is None:

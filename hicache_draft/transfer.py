@@ -11,11 +11,17 @@ fill them on ``page_get``.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 from hicache_draft.capabilities import Attention, Layout, PoolKind
+
+
+@functools.lru_cache(maxsize=512)
+def _bytes_type(n: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
+    return ctypes.c_ubyte * n  # made once per size: creating an array type costs more than the view
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +40,7 @@ class Buffer:
         """A writable byte view of the region (no copy)."""
         if self.nbytes == 0:
             return memoryview(bytearray())
-        arr = (ctypes.c_ubyte * self.nbytes).from_address(self.ptr)
-        return memoryview(arr).cast("B")
+        return memoryview(_bytes_type(self.nbytes).from_address(self.ptr)).cast("B")
 
     @classmethod
     def of(cls, obj: bytearray | memoryview) -> Buffer:

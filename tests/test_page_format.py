@@ -116,3 +116,34 @@ def test_foreign_key_namespace_pool_and_length():
     with pytest.raises(PageFormatError) as e4:
         verify_payload(h, [blob[HEADER_SIZE:]], 31)
     assert e4.value.problem is HeaderProblem.LENGTH
+
+
+def _verdict(fn, *args) -> str | None:  # noqa: ANN001
+    try:
+        fn(*args)
+    except PageFormatError as exc:
+        return exc.problem.value
+    return None
+
+
+@given(
+    payload=st.binary(min_size=1, max_size=300),
+    flips=st.lists(st.tuples(st.integers(0, HEADER_SIZE + 299), st.integers(1, 255)), max_size=3),
+    expected_delta=st.sampled_from([0, 0, 0, -1, 1]),
+    pool=st.sampled_from(list(PoolKind)),
+    other_pool=st.booleans(),
+)
+def test_the_cores_one_pass_check_agrees_with_the_parser(payload, flips, expected_delta, pool, other_pool):
+    """check_page (the core's fast check of every restored page) accepts exactly what
+    parse_header + verify_payload accept, and names the same problem."""
+    from hicache_draft.page_format import check_page
+
+    blob = bytearray(_page(payload, pool=pool))
+    for at, x in flips:
+        if at < len(blob):
+            blob[at] ^= x
+    want_pool = next(p for p in PoolKind if p is not pool) if other_pool else pool
+    n = len(payload) + expected_delta
+    old = _verdict(_check, bytes(blob), n, KEY, NS, want_pool)
+    new = _verdict(check_page, blob[:HEADER_SIZE], KEY, NS, want_pool, [memoryview(blob)[HEADER_SIZE:]], n)
+    assert new == old

@@ -123,8 +123,9 @@ _RUN_MAX_BYTES = 1 << 20
 # README: smaller shares cost more in GIL hand-overs than the overlap saves).
 _SHARE_MIN_BYTES = 4 << 20
 _SHARE_MIN_RECORD = 256 << 10
-# Pages read are announced to the core (``finished``) in batches of at least this many bytes.
-_FINISH_BYTES = 4 << 20
+# Pages read are announced to the core (``finished``) after every run: the core verifies them in
+# this thread right away, while the run (at most _RUN_MAX_BYTES) is still in this core's cache.
+_FINISH_BYTES = 1
 _INTENT_MAGIC = "hicache-draft-file evict 1"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _TMP_RE = re.compile(r"([0-9a-f]{16}-[0-9a-f]{8})\.(\d+)\.tmp|(intent)\.(\d+)\.[0-9a-f]+")
@@ -1225,8 +1226,8 @@ def _read_share(
 ) -> None:
     """One thread's share of a ``page_get``: its runs in order, each checked against the deadline
     first (a run not started in time fails its pages). An I/O error fails that run's pages only.
-    Pages that passed are announced to ``finished`` once at least ``_FINISH_BYTES`` of them are
-    waiting, and at the end of the share (each announcement costs the core a task hand-off)."""
+    Pages that passed are announced to ``finished`` after each run (the core then verifies them in
+    this thread, from the cache), and at the end of the share."""
     told: dict[PoolKind, list[int]] = {}
     waiting = 0
     for sr, a, b in runs:

@@ -31,11 +31,7 @@ def caps(kv=None, draft=None, split=True) -> Capabilities:
     return Capabilities(pools=pools, split_heads=split, persistent=True)
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    MemoryBackend.reset()
-    yield
-    MemoryBackend.reset()
+pytestmark = pytest.mark.usefixtures("reset_memory_backend")
 
 
 _pair = make_pair

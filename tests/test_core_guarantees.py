@@ -28,11 +28,7 @@ KV, DRAFT = PoolKind.KV, PoolKind.DRAFT
 OK = PageResult.OK
 
 
-@pytest.fixture(autouse=True)
-def _reset():
-    MemoryBackend.reset()
-    yield
-    MemoryBackend.reset()
+pytestmark = pytest.mark.usefixtures("reset_memory_backend")
 
 
 _pair = make_pair

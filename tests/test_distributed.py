@@ -18,6 +18,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _join(dist, rank: int, world: int, port: int) -> None:  # noqa: ANN001
+    """Join the gloo group; a rank that skipped a collective would leave its peer blocked until the
+    group's timeout (20 s), then raising, so a test of collectives fails instead of hanging."""
+    from datetime import timedelta
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+
+
 def _rank_main(rank: int, world: int, port: int, space: str, drop_rank: int, out: dict) -> None:
     import torch.distributed as dist
 
@@ -25,9 +35,7 @@ def _rank_main(rank: int, world: int, port: int, space: str, drop_rank: int, out
     from hicache_draft.testing import MemoryBackend
     from tests.helpers import fill_random, make_config, make_controller, slots, tokens
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _join(dist, rank, world, port)
     try:
         cfg = make_config("mha", "mha", tp_rank=rank, tp_size=world)
         ctrl = make_controller(cfg, space=space)
@@ -58,8 +66,6 @@ def test_ranks_agree_on_the_min_prefix(monkeypatch):
 
 
 def _refusing_rank_main(rank: int, world: int, port: int, space: str, refuse_rank: int, out: dict) -> None:
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     from hicache_draft import IOPath, PoolKind
@@ -71,10 +77,7 @@ def _refusing_rank_main(rank: int, world: int, port: int, space: str, refuse_ran
             if registration.pool is PoolKind.KV:
                 raise ValueError("this rank cannot register target memory")
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    # a rank that skipped a collective would leave its peer blocked until this timeout, then raising
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+    _join(dist, rank, world, port)
     try:
         cfg = make_config("mla", "mla", tp_rank=rank, tp_size=world)
         writer = make_controller(cfg, space=space)

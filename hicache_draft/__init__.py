@@ -45,7 +45,7 @@ from hicache_draft.plugins import (
     unregister_backend,
 )
 from hicache_draft.pools import HostPool, PoolSpec
-from hicache_draft.store import Store
+from hicache_draft.store import CallReport, Store, attach_headers
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
 
 if TYPE_CHECKING:
@@ -112,6 +112,8 @@ __all__ = [
     "PrefetchPolicy",
     "StorageBackend",
     "Store",
+    "CallReport",
+    "attach_headers",
     "UnknownBackendError",
     "checksum",
     "discover_backends",

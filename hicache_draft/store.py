@@ -193,6 +193,12 @@ class Store:
             self._done(hook, outcome, started, transfers, results)
         return CallReport(results, outcome, fut)
 
+    def attach_headers(self, transfers: Sequence[PageTransfer], made: bool) -> list[PageTransfer]:
+        """The transfers as this store hands them to its backend (for tools that time or call
+        hooks directly, such as benchmarks): headers made from the pages' bytes (``made``, as for
+        ``page_set``, on the store's threads) or zeroed for the backend to fill (``page_get``)."""
+        return attach_headers(transfers, made=made, executor=self._verifiers() if made else None)
+
     def _per_page(
         self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None
     ) -> tuple[dict[PoolKind, list[PageResult]], Future[Any]]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from hicache_draft.capabilities import PoolKind
 from hicache_draft.keys import make_key
-from hicache_draft.store import Store, attach_headers
+from hicache_draft.store import Store
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer
 
 
@@ -73,7 +73,8 @@ def measure(
             if any(r is not PageResult.OK for r in got[PoolKind.KV]):
                 raise RuntimeError("a verified read failed; the benchmark needs a healthy store")
             t0 = time.perf_counter()
-            transfers = attach_headers([PageTransfer(PoolKind.KV, _pages(dst, groups, namespace, page_bytes))], False)
+            bare = [PageTransfer(PoolKind.KV, _pages(dst, groups, namespace, page_bytes))]
+            transfers = store.attach_headers(bare, made=False)
             store.pm.hook.page_get(
                 transfers=transfers, deadline=time.monotonic() + store.timeout_s, finished=lambda pool, idx: None
             )

@@ -39,7 +39,7 @@ from hicache_draft.errors import BackendSetupError
 from hicache_draft.hookspecs import API_VERSION, hookimpl
 from hicache_draft.keys import make_key, pool_identities
 from hicache_draft.pools import HostPool, PoolSpec
-from hicache_draft.store import Store, attach_headers
+from hicache_draft.store import Store
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
 
 PAGE_SIZE = 4
@@ -428,7 +428,7 @@ class ConformanceSuite:
             groups = random_groups(32)
             pages = rig.pages(groups, _slots([i % NUM_PAGES for i in range(32)]), fill=True)
             for hook in ("page_set", "page_get"):
-                transfers = attach_headers([rig.transfer(pages)], made=hook == "page_set")
+                transfers = store.attach_headers([rig.transfer(pages)], made=hook == "page_set")
                 t0 = time.monotonic()
                 extra = {"finished": lambda pool, indices: None} if hook == "page_get" else {}
                 answer = getattr(store.pm.hook, hook)(transfers=transfers, deadline=time.monotonic() - 1.0, **extra)

@@ -18,8 +18,7 @@ import pytest
 from hicache_draft_file import backend as file_backend
 from hicache_draft_file import segment_writer
 
-from hicache_draft import BackendContext, Buffer, Page, PageResult, PageTransfer, PoolKind, Store
-from hicache_draft.store import attach_headers
+from hicache_draft import BackendContext, Buffer, Page, PageResult, PageTransfer, PoolKind, Store, attach_headers
 
 N = 16384  # payload bytes per page
 COUNT = 48

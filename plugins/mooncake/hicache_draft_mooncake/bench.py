@@ -55,16 +55,16 @@ import torch
 from hicache_draft import (
     HEADER_SIZE,
     Attention,
+    HostPool,
     Layout,
     Page,
     PageTransfer,
     PoolKind,
     PoolRegistration,
+    PoolSpec,
     Store,
     make_key,
 )
-from hicache_draft.pools import HostPool, PoolSpec
-from hicache_draft.store import attach_headers
 from hicache_draft_mooncake.client import new_client
 from hicache_draft_mooncake.options import MooncakeOptions
 from hicache_draft_mooncake.service import MooncakeService
@@ -187,10 +187,10 @@ class _Plugin:
     def _bare_round(self, groups: list[str], out: Times) -> list[str]:
         """The backend's hooks alone, as the Store hands them pages (headers made, timed apart)."""
         ns = secrets.token_hex(12)  # fresh keys: the Store round's pages exist already
-        t, w = _timed(lambda: attach_headers([PageTransfer(PoolKind.KV, self.pages(self.src, groups, ns), True)],
-                                             made=True, executor=self.store._verifiers()))
+        t, w = _timed(lambda: self.store.attach_headers(
+            [PageTransfer(PoolKind.KV, self.pages(self.src, groups, ns), True)], made=True))
         out["header"].append(t)
-        r = attach_headers([PageTransfer(PoolKind.KV, self.pages(self.dst, groups, ns), True)], made=False)
+        r = self.store.attach_headers([PageTransfer(PoolKind.KV, self.pages(self.dst, groups, ns), True)], made=False)
         deadline = time.monotonic() + self.store.timeout_s
         t, res = _timed(lambda: self.backend.page_set(w, deadline))
         assert all(x == 0 for x in res[PoolKind.KV]), (self.name, res)

@@ -13,11 +13,11 @@ from hicache_draft import (
     Layout,
     PageResult,
     PoolKind,
+    attach_headers,
     make_header,
     parse_header,
     verify_payload,
 )
-from hicache_draft.store import attach_headers
 
 from .conftest import host_allocator, make_rig, stat_delta
 

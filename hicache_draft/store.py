@@ -98,9 +98,9 @@ class Store:
         opts = validate_options(name, cls, options or {})
         try:
             self.backend = cls(opts, self.context)
-        except (BackendSetupError, ConfigError):
+        except (BackendSetupError, ConfigError, KeyboardInterrupt):
             raise
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit from a constructor too: that backend failed to start
             raise BackendSetupError(f"backend {name!r} failed to start: {type(exc).__name__}: {exc}") from exc
         self.pm: pluggy.PluginManager = new_plugin_manager()
         try:

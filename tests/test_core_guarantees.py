@@ -400,3 +400,15 @@ def test_pages_announced_finished_are_verified_early_and_still_judged():
     _restored_pages_are_exact(writer, reader, res, slots(range(4)), slots(range(8, 12)))
     Announces.rot = set()
     assert reader.prefetch(toks, slots(range(8, 12))).pages == 3
+
+
+class ExitsOnStart(MemoryBackend):
+    def __init__(self, options, context):  # noqa: ANN001
+        raise SystemExit("the transport library called exit()")
+
+
+def test_a_backend_that_exits_in_its_constructor_is_a_setup_error():
+    from hicache_draft import BackendSetupError, Store
+
+    with pytest.raises(BackendSetupError, match="SystemExit: the transport library called exit"):
+        Store("memory", ExitsOnStart, ExitsOnStart.capabilities, {})

@@ -642,6 +642,11 @@ class CacheController:
                     res.released = False
             if op.future.done():  # it finished while we cancelled: the full result holds
                 res = op.future.result()
+            else:  # still running: only a zero-copy call in flight or an abandoned one holds slots
+                with op._lock:
+                    pending = list(op._pending_io)
+                res.released = res.released and not res.held_slots and all(f.done() for f in pending)
+                return res
         res.released = res.released and op.wait_released(timeout=0)
         return res
 

@@ -412,3 +412,18 @@ def test_a_backend_that_exits_in_its_constructor_is_a_setup_error():
 
     with pytest.raises(BackendSetupError, match="SystemExit: the transport library called exit"):
         Store("memory", ExitsOnStart, ExitsOnStart.capabilities, {})
+
+
+def test_collect_on_the_generic_path_releases_at_once_even_while_the_call_runs():
+    """Generic pages travel in the controller's staging memory: a call still in flight holds no host slot."""
+    cap = PoolCapability(attention=frozenset(Attention), zero_copy_layouts=frozenset())
+    backend = type("G", (MemoryBackend,), {"capabilities": Capabilities(pools={KV: cap, DRAFT: cap}, persistent=True)})
+    writer, reader = _pair(make_config(timeout_s=2.0, batch_pages=1), backend)
+    toks = tokens(3)
+    writer.backup(toks, slots(range(3)))
+    MemoryBackend.faults = Faults(delay_s={"page_get": 0.5})
+    op = reader.prefetch_async(toks, slots(range(8, 11)))
+    time.sleep(0.05)
+    res = reader.collect(op, PrefetchPolicy.BEST_EFFORT)
+    assert res.pages == 0 and res.released is True and res.held_slots == []
+    op.result(timeout=10)

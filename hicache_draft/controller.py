@@ -307,12 +307,17 @@ class CacheController:
         staged: list[tuple[int, int, torch.Tensor]] = []
         zero_copy = st.choice.path is IOPath.ZERO_COPY
         stage: torch.Tensor | None = None
-        if not zero_copy:
+        regions: list[tuple[Buffer, ...]] = []
+        if zero_copy:
+            index = st.pool.slot_buffers(st.split)
+            index.check(slots)
+            regions = index.buffers(slots)  # page after page, its head parts in order
+        else:
             stage = torch.empty((len(hashes) * st.split, st.part_nbytes), dtype=torch.uint8)
         for i, (h, slot) in enumerate(zip(hashes, slots, strict=True)):
             for part, ns in enumerate(st.namespaces):
                 if zero_copy:
-                    bufs = st.pool.page_buffers(slot, part, st.split)
+                    bufs = regions[i * st.split + part]
                 else:
                     assert stage is not None
                     row = stage[i * st.split + part]

@@ -155,6 +155,7 @@ class HostPool:
             raw = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=bool(want_pin and torch.cuda.is_available()))
         self.raw = raw
         self.buffer = raw.view(spec.torch_dtype).view(self._shape())
+        self._slot_buffers: dict[int, SlotBuffers] = {}
 
     @classmethod
     def wrap(cls, spec: PoolSpec, buffer: torch.Tensor) -> HostPool:
@@ -177,6 +178,7 @@ class HostPool:
         self.slots = self.num_pages * spec.page_size
         self.raw = buffer.view(-1).view(torch.uint8)
         self.buffer = buffer.view(self._shape())
+        self._slot_buffers = {}
         return self
 
     # -- geometry -------------------------------------------------------------------------
@@ -266,6 +268,14 @@ class HostPool:
             out.append(Buffer(r.data_ptr(), r.numel() * r.element_size(), owner=self))
         return tuple(out)
 
+    def slot_buffers(self, split: int = 1) -> SlotBuffers:
+        """The zero-copy buffers of many pages at once, by first slot (what :meth:`page_buffers`
+        gives, computed from one page's regions and the page stride, cached)."""
+        got = self._slot_buffers.get(split)
+        if got is None:
+            got = self._slot_buffers[split] = SlotBuffers(self, split)
+        return got
+
     def page_buffer_meta(self, slots: Sequence[int], split: int = 1) -> tuple[list[int], list[int]]:
         """Pointer and size lists for ``slots`` (all parts of each page, page after page)."""
         ptrs: list[int] = []
@@ -298,3 +308,63 @@ class HostPool:
         out = torch.empty(self.part_nbytes(split), dtype=torch.uint8)
         self.copy_page_out(slot, out, part, split)
         return bytes(Buffer(out.data_ptr(), out.numel(), owner=out).view())
+
+
+_CACHED_BUFFERS = 1 << 18
+"""Zero-copy buffers a pool keeps per split (about 20 MB); pages past that are computed per call."""
+
+
+class SlotBuffers:
+    """The zero-copy buffers of a host pool's pages by first host slot, page after page with
+    their head parts (what :meth:`HostPool.page_buffers` gives, without its per-page tensor views).
+
+    Every layout places page ``p``'s regions at page 0's regions plus ``p`` times one stride; that
+    is checked against :meth:`HostPool.page_buffers` for page 1 and the last page when the view is
+    made (otherwise every page asks ``page_buffers``). Pages are kept up to :data:`_CACHED_BUFFERS`
+    buffers."""
+
+    def __init__(self, pool: HostPool, split: int) -> None:
+        self.pool, self.split = pool, split
+        self.page_size = pool.spec.page_size
+        self.slots = pool.slots
+        self.cache: dict[int, tuple[tuple[Buffer, ...], ...]] = {}
+        self.limit = _CACHED_BUFFERS // max(1, pool.spec.buffers_per_page() * split)
+        base = pool.raw.data_ptr()
+        first = self._exact(0)
+        self.template: list[list[tuple[int, int]]] | None = [[(b.ptr - base, b.nbytes) for b in part]
+                                                            for part in first]
+        self.stride = 0
+        if pool.num_pages > 1:
+            self.stride = self._exact(self.page_size)[0][0].ptr - first[0][0].ptr
+            for p in (1, pool.num_pages - 1):
+                if self._shifted(p) != self._exact(p * self.page_size):
+                    self.template = None
+                    break
+
+    def _exact(self, slot: int) -> tuple[tuple[Buffer, ...], ...]:
+        return tuple(self.pool.page_buffers(slot, part, self.split) for part in range(self.split))
+
+    def _shifted(self, page: int) -> tuple[tuple[Buffer, ...], ...]:
+        assert self.template is not None
+        at, owner = self.pool.raw.data_ptr() + page * self.stride, self.pool
+        return tuple(tuple([Buffer(at + off, n, owner) for off, n in part]) for part in self.template)
+
+    def check(self, slots: Sequence[int]) -> None:
+        """ValueError (from :meth:`HostPool.page_index`) for the first slot that does not start a page."""
+        ps, n = self.page_size, self.slots
+        bad = next((s for s in slots if s % ps or not 0 <= s < n), None)
+        if bad is not None:
+            self.pool.page_index(bad)
+
+    def _fill(self, slot: int) -> tuple[tuple[Buffer, ...], ...]:
+        parts = self._exact(slot) if self.template is None else self._shifted(self.pool.page_index(slot))
+        if len(self.cache) < self.limit:
+            self.cache[slot] = parts
+        return parts
+
+    def buffers(self, slots: Sequence[int]) -> list[tuple[Buffer, ...]]:
+        """Each page's (head part's) buffers, page-major, for slots that passed :meth:`check`."""
+        get, fill = self.cache.get, self._fill
+        if self.split == 1:
+            return [(get(s) or fill(s))[0] for s in slots]
+        return [part for s in slots for part in (get(s) or fill(s))]

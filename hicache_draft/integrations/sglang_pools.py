@@ -25,7 +25,7 @@ from hicache_draft.errors import ConfigError
 from hicache_draft.integrations.sglang_config import LegacyDraftPool, Placement
 from hicache_draft.keys import make_key, pool_identities
 from hicache_draft.paths import PathChoice, choose_path
-from hicache_draft.pools import HostPool, PoolSpec, dtype_name
+from hicache_draft.pools import HostPool, PoolSpec, SlotBuffers, dtype_name
 from hicache_draft.transfer import Buffer
 
 
@@ -180,66 +180,6 @@ class Staging:
         self._parts = {}
 
 
-_CACHED_BUFFERS = 1 << 18
-"""Zero-copy buffers a pool view keeps (about 20 MB); pages past that are computed per call."""
-
-
-class SlotBuffers:
-    """The zero-copy buffers of a host pool's pages by first host slot, page after page with
-    their head parts (what :meth:`HostPool.page_buffers` gives, without its per-page tensor views).
-
-    Every layout places page ``p``'s regions at page 0's regions plus ``p`` times one stride; that
-    is checked against :meth:`HostPool.page_buffers` for page 1 and the last page when the view is
-    made (otherwise every page asks ``page_buffers``). Pages are kept up to :data:`_CACHED_BUFFERS`
-    buffers."""
-
-    def __init__(self, pool: HostPool, split: int) -> None:
-        self.pool, self.split = pool, split
-        self.page_size = pool.spec.page_size
-        self.slots = pool.slots
-        self.cache: dict[int, tuple[tuple[Buffer, ...], ...]] = {}
-        self.limit = _CACHED_BUFFERS // max(1, pool.spec.buffers_per_page() * split)
-        base = pool.raw.data_ptr()
-        first = self._exact(0)
-        self.template: list[list[tuple[int, int]]] | None = [[(b.ptr - base, b.nbytes) for b in part]
-                                                            for part in first]
-        self.stride = 0
-        if pool.num_pages > 1:
-            self.stride = self._exact(self.page_size)[0][0].ptr - first[0][0].ptr
-            for p in (1, pool.num_pages - 1):
-                if self._shifted(p) != self._exact(p * self.page_size):
-                    self.template = None
-                    break
-
-    def _exact(self, slot: int) -> tuple[tuple[Buffer, ...], ...]:
-        return tuple(self.pool.page_buffers(slot, part, self.split) for part in range(self.split))
-
-    def _shifted(self, page: int) -> tuple[tuple[Buffer, ...], ...]:
-        assert self.template is not None
-        at, owner = self.pool.raw.data_ptr() + page * self.stride, self.pool
-        return tuple(tuple([Buffer(at + off, n, owner) for off, n in part]) for part in self.template)
-
-    def check(self, slots: Sequence[int]) -> None:
-        """ValueError (from :meth:`HostPool.page_index`) for the first slot that does not start a page."""
-        ps, n = self.page_size, self.slots
-        bad = next((s for s in slots if s % ps or not 0 <= s < n), None)
-        if bad is not None:
-            self.pool.page_index(bad)
-
-    def _fill(self, slot: int) -> tuple[tuple[Buffer, ...], ...]:
-        parts = self._exact(slot) if self.template is None else self._shifted(self.pool.page_index(slot))
-        if len(self.cache) < self.limit:
-            self.cache[slot] = parts
-        return parts
-
-    def buffers(self, slots: Sequence[int]) -> list[tuple[Buffer, ...]]:
-        """Each page's (head part's) buffers, page-major, for slots that passed :meth:`check`."""
-        get, fill = self.cache.get, self._fill
-        if self.split == 1:
-            return [(get(s) or fill(s))[0] for s in slots]
-        return [part for s in slots for part in (get(s) or fill(s))]
-
-
 @dataclass
 class PoolView:
     """One pool as the adapter drives it."""
@@ -252,7 +192,6 @@ class PoolView:
     staging: Staging | None = None
     source: object = field(default=None, repr=False)  # the SGLang host pool
     _suffixes: tuple[str, ...] = field(default=(), init=False, repr=False)
-    _slot_buffers: SlotBuffers | None = field(default=None, init=False, repr=False)
     key_cache: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # SGLang hash -> key
 
     def __post_init__(self) -> None:
@@ -282,11 +221,9 @@ class PoolView:
 
     @property
     def slot_buffers(self) -> SlotBuffers:
-        """The zero-copy buffers of the registered pool (made on first use)."""
-        if self._slot_buffers is None:
-            assert self.pool is not None
-            self._slot_buffers = SlotBuffers(self.pool, self.split)
-        return self._slot_buffers
+        """The zero-copy buffers of the registered pool (:meth:`HostPool.slot_buffers`)."""
+        assert self.pool is not None
+        return self.pool.slot_buffers(self.split)
 
     def one_page(self, flat: torch.Tensor) -> HostPool:
         """A one-page pool over a flat SGLang data page (``get_data_page(i, flat=True)`` order)."""

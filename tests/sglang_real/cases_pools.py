@@ -17,14 +17,13 @@ from hicache_draft.config import ParallelConfig
 from hicache_draft.errors import ConfigError
 from hicache_draft.integrations.sglang_config import Placement
 from hicache_draft.integrations.sglang_pools import (
-    SlotBuffers,
     host_pool_spec,
     namespaces,
     pool_path,
     split_factor,
     staging_pages,
 )
-from hicache_draft.pools import HostPool
+from hicache_draft.pools import HostPool, SlotBuffers
 
 MHA_LAYOUTS, MLA_LAYOUTS = hr.MHA_LAYOUTS, hr.MLA_LAYOUTS
 CASES = [("mha", lay) for lay in MHA_LAYOUTS] + [("mla", lay) for lay in MLA_LAYOUTS]

@@ -265,7 +265,7 @@ class HiCacheDraftStorage(HiCacheStorage):
         self._logged: set[str] = set()
         log.info(
             "hicache-draft SGLang adapter: backend %r, model %r, draft model %r, tp %d/%d, pp %d/%d",
-            self.settings.backend, self.placement.model, self.placement.draft_model,
+            self.store.name, self.placement.model, self.placement.draft_model,
             par.tp_rank, par.tp_size, par.pp_rank, par.pp_size,
         )
 

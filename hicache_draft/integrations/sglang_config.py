@@ -35,7 +35,11 @@ class AdapterSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: str = Field(default="file", min_length=1, description="entry-point name of the storage backend")
+    backend: str | None = Field(
+        default=None, min_length=1,
+        description="entry-point name of the storage backend; unset: the installed backend that declares itself "
+        "the default",
+    )
     backend_options: dict[str, Any] = Field(default_factory=dict, description="validated by the backend")
     model: str | None = Field(
         default=None, min_length=1, description="target weights identity; defaults to SGLang's model name"

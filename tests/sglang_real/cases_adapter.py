@@ -520,6 +520,21 @@ def test_a_hung_backend_call_is_bounded_and_its_staging_is_abandoned():
     assert adapter.batch_set_v1(keys, indices([0])) == [True]  # the fresh staging works
 
 
+def test_without_a_backend_name_the_declared_default_is_used(monkeypatch):
+    """The adapter names no backend itself: unset, it takes whichever installed backend declares
+    itself the default (here a registered one, with the file plugin switched off)."""
+    monkeypatch.setenv("HICACHE_DRAFT_DISABLE_PLUGINS", "file")
+    default = type("Default", (MemoryBackend,), {"default": True})
+    register_backend("elected", default)
+    try:
+        extra = extra_config(None, {"space": secrets.token_hex(4)})
+        del extra["hicache_draft"]["backend"]
+        adapter = build(extra)
+        assert adapter.store.name == "elected"
+    finally:
+        unregister_backend("elected")
+
+
 def test_a_late_zero_copy_get_never_writes_after_sglang_got_its_answer():
     """A backend sleeps past its deadline, then fills the host slots: the adapter gives it up to
     timeout_s more before answering SGLang, which reuses the slots at once on a failure."""

@@ -523,7 +523,10 @@ def test_a_hung_backend_call_is_bounded_and_its_staging_is_abandoned():
 def test_without_a_backend_name_the_declared_default_is_used(monkeypatch):
     """The adapter names no backend itself: unset, it takes whichever installed backend declares
     itself the default (here a registered one, with the file plugin switched off)."""
+    from hicache_draft.plugins import discover_backends
+
     monkeypatch.setenv("HICACHE_DRAFT_DISABLE_PLUGINS", "file")
+    discover_backends(refresh=True)  # discovery is cached per process: read the block-list again
     default = type("Default", (MemoryBackend,), {"default": True})
     register_backend("elected", default)
     try:
@@ -533,6 +536,8 @@ def test_without_a_backend_name_the_declared_default_is_used(monkeypatch):
         assert adapter.store.name == "elected"
     finally:
         unregister_backend("elected")
+        monkeypatch.undo()
+        discover_backends(refresh=True)
 
 
 def test_a_late_zero_copy_get_never_writes_after_sglang_got_its_answer():

@@ -11,9 +11,25 @@ caches (which import the whole serving stack): fill host slots, call ``write_sto
 ``prefetch_buffer`` and drain the acknowledgements. TP ranks are SGLang's parallel-state override.
 
 Release differences are found by feature (a method, a signature parameter, a dataclass field),
-never by version string. More pools (issue 14: indexer, SWA, ...) are added as more ``Pool``
-entries: ``Rig`` registers every entry of ``pools`` with the controller and moves each page of
-each pool.
+never by version string.
+
+Models (``Rig(model=...)``), each built the way SGLang's ``hybrid_pool_assembler`` builds it:
+
+* ``"plain"``: an MHA/MLA KV anchor, and a DRAFT sidecar (KV slots, ALL_PAGES) for a draft.
+* ``"dsa"`` (DeepSeek-V3.2 / GLM-5 with MTP): a ``DSATokenToKVPool`` target (MLA latent + indexer
+  keys and scales, 64-token pages as DSA demands), its MLA host pool as the KV anchor and a
+  ``DSAIndexerPoolHost`` laid out on it as ``PoolName.INDEXER`` (KV slots, ALL_PAGES), both in the
+  controller's ``HostPoolGroup``; the draft is a ``DSATokenToKVPool`` too, registered as sidecars
+  ``DRAFT`` and ``DRAFT_INDEXER`` (its indexer host pool laid out on the draft host pool, indices
+  from KV), as ``build_full_draft_pools`` registers them.
+* ``"swa"`` (hybrid sliding-window): a full-attention KV anchor and an SWA host pool over its own
+  device pool as ``PoolName.SWA`` (its own host slots, TRAILING_PAGES over ``window_pages`` pages),
+  as ``build_hybrid_swa_group`` builds them; the draft is a ``DRAFT_SWA`` sidecar whose indices come
+  from SWA (TRAILING_PAGES), as ``build_swa_draft_pools`` builds it.
+
+Pools with their own slots (SWA) get slots for the trailing window only: at backup the harness
+allocates them (what the tree's SWA component holds), at prefetch it allocates
+``min(window, hit)`` pages after the hit, as ``UnifiedRadixCache._alloc_prefetch_aux_staging`` does.
 """
 
 from __future__ import annotations
@@ -26,7 +42,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -51,6 +67,11 @@ _group_mod = importlib.import_module(
     else "sglang.srt.mem_cache.memory_pool_host"
 )
 HostPoolGroup, PoolEntry = _group_mod.HostPoolGroup, _group_mod.PoolEntry
+_dsa_host = importlib.import_module(
+    "sglang.srt.mem_cache.pool_host.dsa" if importlib.util.find_spec("sglang.srt.mem_cache.pool_host.dsa")
+    else "sglang.srt.mem_cache.memory_pool_host"
+)
+DSAIndexerPoolHost = _dsa_host.DSAIndexerPoolHost
 HiCacheController = cache_controller.HiCacheController
 HybridCacheController = hybrid_mod.HybridCacheController
 PoolName, PoolTransfer, PoolHitPolicy = sg.PoolName, sg.PoolTransfer, sg.PoolHitPolicy
@@ -60,6 +81,7 @@ HAS_LEGACY_DRAFT = hasattr(HiCacheController, "set_draft_kv_pool")
 """0.5.15-0.5.18: ``HiCacheController.set_draft_kv_pool`` and draft pages as ``{hash}.draft``."""
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+DSA_PAGE_SIZE = 64  # DSATokenToKVPool asserts 64-token pages
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DRAFT_MODEL = "lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B"
 WAIT_S = 30.0
@@ -116,10 +138,41 @@ def host_pool(device: Any, layout: str, ratio: float = 2.0) -> Any:
     return cls(arg, **kw)
 
 
+def dsa_device_pool(shape: Shape, size: int, page_size: int) -> Any:
+    """SGLang's ``DSATokenToKVPool`` on CPU: MLA latent plus the indexer's keys and scales."""
+    kw: dict[str, Any] = {"size": size, "page_size": page_size, "kv_lora_rank": shape.kv_lora_rank,
+                          "dtype": shape.dtype, "qk_rope_head_dim": shape.qk_rope_head_dim,
+                          "layer_num": shape.layers, "device": "cpu", "index_head_dim": 128,
+                          "enable_memory_saver": False, "kv_cache_dim": shape.kv_lora_rank + shape.qk_rope_head_dim}
+    return memory_pool.DSATokenToKVPool(**kw)
+
+
+def indexer_host_pool(device: Any, anchor_host: Any, name: Any = None) -> Any:
+    """SGLang's ``DSAIndexerPoolHost`` for ``device`` laid out on ``anchor_host`` (``pin_memory=False``).
+    Releases with host-pool declarations build it from the device pool's own declaration (renamed
+    DRAFT_INDEXER for a draft, as ``build_full_draft_pools`` does); older ones take the device pool."""
+    params = inspect.signature(DSAIndexerPoolHost.__init__).parameters
+    if "decl" in params:
+        decl = _dsa_host.make_dsa_indexer_pool_decl(device, name=name or PoolName.INDEXER)
+        return DSAIndexerPoolHost(decl=decl, anchor_host=anchor_host, pin_memory=False)
+    return DSAIndexerPoolHost(device, anchor_host, anchor_host.layout, pin_memory=False)
+
+
+def host_buffers(pool: Any) -> list[torch.Tensor]:
+    """The host memory of an SGLang host pool: ``kv_buffer`` (MHA/MLA), the indexer buffer (DSA)."""
+    for name in ("kv_buffer", "index_k_with_scale_buffer"):
+        buf = getattr(pool, name, None)
+        if isinstance(buf, torch.Tensor):
+            return [buf]
+    raise TypeError(f"no host buffer on {type(pool).__name__}")
+
+
 def fill_random(pool: Any, seed: int) -> None:
-    """Random bytes over a host pool's whole buffer (NaN patterns included: tests compare bytes)."""
-    raw = pool.kv_buffer.view(-1).view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+    """Random bytes over a host pool's whole memory (NaN patterns included: tests compare bytes)."""
+    gen = torch.Generator().manual_seed(seed)
+    for buf in host_buffers(pool):
+        raw = buf.view(-1).view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
 
 
 def page_bytes(pool: Any, index: int) -> bytes:
@@ -169,11 +222,19 @@ def legacy_draft_shape(shape: Shape, layout: str | None = None) -> dict[str, Any
 
 @dataclass
 class Pool:
-    """One SGLang pool of the rig: its name, device pool and host pool."""
+    """One SGLang pool of the rig: its name, device pool, host pool, whose slots index it
+    (``None``: its own, as KV and SWA), its hit policy and, for a trailing pool, its window."""
 
     name: Any
     device: Any
     host: Any
+    indices_from: Any = None
+    hit_policy: Any = PoolHitPolicy.ALL_PAGES
+    window_pages: int = 0
+
+    @property
+    def trailing(self) -> bool:
+        return self.hit_policy == PoolHitPolicy.TRAILING_PAGES
 
 
 @dataclass
@@ -182,6 +243,7 @@ class Rig:
 
     ``mode`` is "hybrid" (HybridCacheController over a HostPoolGroup, the draft a DRAFT sidecar
     entry whose indices come from KV) or "legacy" (HiCacheController + set_draft_kv_pool).
+    ``model`` is "plain", "dsa" or "swa" (module docstring); "dsa" and "swa" run in hybrid mode.
     """
 
     target: Shape
@@ -194,8 +256,13 @@ class Rig:
     tp_rank: int = 0
     tp_size: int = 1
     draft_layout: str | None = None
+    model: str = "plain"
+    swa_layers: int = 2
+    window_pages: int = 2
+    storage_backend: str = "dynamic"  # "file": SGLang's own HiCacheFile (checks the harness itself)
     pools: list[Pool] = field(default_factory=list)
     controller: Any = None
+    own_slots: dict[Any, torch.Tensor] = field(default_factory=dict)
     _parallel: Any = None
 
     def __post_init__(self) -> None:
@@ -209,37 +276,60 @@ class Rig:
 
     def _build(self) -> None:
         ps = self.page_size
-        kv_dev = device_pool(self.target, self.device_tokens, ps)
+        dsa = self.model == "dsa"
+        kv_dev = (dsa_device_pool if dsa else device_pool)(self.target, self.device_tokens, ps)
         self.allocator = allocator_mod.PagedTokenToKVPoolAllocator(
             self.device_tokens, ps, self.target.dtype, "cpu", kv_dev, need_sort=False)
         kv = Pool(PoolName.KV, kv_dev, host_pool(kv_dev, self.layout))
         self.pools = [kv]
-        draft = None
+        # the target's other pools, in the controller's HostPoolGroup from the start
+        if dsa:
+            self.pools.append(Pool(PoolName.INDEXER, kv_dev, indexer_host_pool(kv_dev, kv.host),
+                                   indices_from=PoolName.KV))
+        elif self.model == "swa":
+            swa_dev = device_pool(replace(self.target, layers=self.swa_layers), self.device_tokens, ps)
+            self.pools.append(Pool(PoolName.SWA, swa_dev, host_pool(swa_dev, self.layout),
+                                   hit_policy=PoolHitPolicy.TRAILING_PAGES, window_pages=self.window_pages))
+        sidecars: list[Pool] = []
         if self.draft is not None:
-            ddev = device_pool(self.draft, self.device_tokens, ps)
             dlay = self.draft_layout or (self.layout if self.draft.attention == self.target.attention
                                          else "page_first")
-            draft = Pool(PoolName.DRAFT, ddev, host_pool(ddev, dlay))
+            if dsa:
+                ddev = dsa_device_pool(self.draft, self.device_tokens, ps)
+                dhost = host_pool(ddev, dlay)
+                sidecars = [Pool(PoolName.DRAFT, ddev, dhost, indices_from=PoolName.KV),
+                            Pool(PoolName.DRAFT_INDEXER, ddev, indexer_host_pool(ddev, dhost, PoolName.DRAFT_INDEXER),
+                                 indices_from=PoolName.KV)]
+            elif self.model == "swa":
+                swa = self.pools[1]
+                ddev = device_pool(self.draft, self.device_tokens, ps)
+                sidecars = [Pool(PoolName.DRAFT_SWA, ddev, host_pool(ddev, dlay, ratio=swa.host.size / ddev.size),
+                                 indices_from=PoolName.SWA, hit_policy=PoolHitPolicy.TRAILING_PAGES,
+                                 window_pages=self.window_pages)]
+            else:
+                ddev = device_pool(self.draft, self.device_tokens, ps)
+                sidecars = [Pool(PoolName.DRAFT, ddev, host_pool(ddev, dlay), indices_from=PoolName.KV)]
         extra = dict(self.extra)
         if self.mode == "legacy":
+            assert self.model == "plain", "the legacy controller has no extra pools"
             self.controller = HiCacheController(
-                self.allocator, kv.host, ps, None, threading.Event(), storage_backend="dynamic",
+                self.allocator, kv.host, ps, None, threading.Event(), storage_backend=self.storage_backend,
                 prefetch_threshold=ps, model_name=MODEL, storage_backend_extra_config=extra)
-            if draft is not None:
+            for draft in sidecars:
                 self.pools.append(draft)
                 self.controller.set_draft_kv_pool(draft.device, draft.host)
             return
-        anchor = PoolEntry(name=PoolName.KV, host_pool=kv.host, device_pool=kv_dev, layer_mapper=lambda i: i,
-                           is_primary_index_anchor=True)
-        group = HostPoolGroup([anchor])
-        kwargs: dict[str, Any] = {"storage_backend": "dynamic", "prefetch_threshold": ps, "model_name": MODEL,
-                                  "storage_backend_extra_config": extra}
+        entries = [PoolEntry(name=p.name, host_pool=p.host, device_pool=p.device, layer_mapper=lambda i: i,
+                             is_primary_index_anchor=p is kv) for p in self.pools]
+        group = HostPoolGroup(entries)
+        kwargs: dict[str, Any] = {"storage_backend": self.storage_backend, "prefetch_threshold": ps,
+                                  "model_name": MODEL, "storage_backend_extra_config": extra}
         self.controller = HybridCacheController(self.allocator, group, ps, None, threading.Event(), **kwargs)
-        if draft is not None:
-            self.add_pool(draft)
+        for pool in sidecars:
+            self.add_pool(pool)
 
     def add_pool(self, pool: Pool) -> None:
-        """A KV-indexed sidecar pool (DRAFT, ...), registered the way SGLang registers it."""
+        """A sidecar pool (DRAFT, DRAFT_INDEXER, DRAFT_SWA), registered the way SGLang registers it."""
         self.pools.append(pool)
         self.controller.register_host_pool_entry(
             PoolEntry(name=pool.name, host_pool=pool.host, device_pool=pool.device, layer_mapper=lambda i: i))
@@ -253,16 +343,52 @@ class Rig:
     def kv(self) -> Pool:
         return self.pools[0]
 
+    def pool(self, name: Any) -> Pool:
+        return next(p for p in self.pools if p.name == name)
+
     def sidecars(self, keys: list[str] | None = None) -> list[Any] | None:
+        """The extra pools' transfers of one backup (``keys``: the op's page hashes) or prefetch
+        (``keys`` None), as the unified tree builds them: KV-indexed sidecars take KV's keys; a pool
+        with its own slots takes its trailing window (its slots at backup, placeholders at prefetch
+        that the controller re-aligns to the hit); its sidecars take its keys."""
         if self.mode == "legacy" or len(self.pools) == 1:
             return None
-        return [PoolTransfer(name=p.name, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES,
-                             indices_from_pool=PoolName.KV) for p in self.pools[1:]]
+        out: dict[Any, Any] = {}
+        for p in self.pools[1:]:
+            if p.indices_from is None:  # own slots: the trailing window
+                if keys is None:
+                    out[p.name] = PoolTransfer(name=p.name, keys=["__placeholder__"] * p.window_pages,
+                                               hit_policy=p.hit_policy)
+                else:
+                    w = min(p.window_pages, len(keys))
+                    out[p.name] = PoolTransfer(name=p.name, host_indices=self.own_slots[p.name],
+                                               keys=keys[len(keys) - w:], hit_policy=p.hit_policy)
+            else:
+                src = out.get(p.indices_from)
+                out[p.name] = PoolTransfer(name=p.name, keys=keys if src is None else src.keys,
+                                           hit_policy=p.hit_policy, indices_from_pool=p.indices_from)
+        return list(out.values())
 
     def alloc(self, n_pages: int) -> torch.Tensor:
+        """KV host slots for ``n_pages`` pages; pools with their own slots get their trailing window."""
         idx = self.kv.host.alloc(n_pages * self.page_size)
         assert idx is not None, "host pool full"
+        for p in self.pools[1:]:
+            if p.indices_from is None:
+                own = p.host.alloc(min(p.window_pages, n_pages) * self.page_size)
+                assert own is not None, f"{p.name} host pool full"
+                self.own_slots[p.name] = own
         return idx
+
+    def page_slots(self, pool: Pool, kv_indices: torch.Tensor) -> list[int]:
+        """The first slot of every page ``pool`` holds for an op over ``kv_indices``."""
+        source = pool.indices_from if pool.indices_from is not None else pool.name
+        idx = kv_indices if source == PoolName.KV else self.own_slots[source]
+        return [int(i) for i in idx[:: self.page_size]]
+
+    def snapshot(self, kv_indices: torch.Tensor) -> dict[str, list[bytes]]:
+        """Every pool's pages for an op over ``kv_indices`` (``get_data_page`` bytes), by pool name."""
+        return {str(p.name): [page_bytes(p.host, s) for s in self.page_slots(p, kv_indices)] for p in self.pools}
 
     def backup(self, tokens: list[int], host_indices: torch.Tensor) -> int:
         """``write_storage`` then wait for the backup ack: tokens SGLang counts as written."""
@@ -298,11 +424,23 @@ class Rig:
         else:
             host_indices = ctl.mem_pool_host.alloc(hit)
         assert host_indices is not None
+        self._alloc_aux_staging(op, hit // self.page_size)
         op.host_indices = host_indices
         if hasattr(op, "storage_start") and getattr(op, "storage_start", None) is None:
             op.storage_start = 0
         ctl.prefetch_buffer.put(op)
         return hit, host_indices, self._wait_prefetch(op, hit)
+
+    def _alloc_aux_staging(self, op: Any, hit_pages: int) -> None:
+        """Host slots for the pools with their own slots, ``min(window, hit)`` pages each."""
+        for t in getattr(op, "pool_transfers", None) or []:
+            if t.host_indices is not None or t.indices_from_pool is not None:
+                continue
+            n = min(len(t.keys or ()), hit_pages) * self.page_size
+            if n:
+                t.host_indices = self.pool(t.name).host.alloc(n)
+                assert t.host_indices is not None, f"{t.name} host pool full"
+                self.own_slots[t.name] = t.host_indices
 
     def _wait_prefetch(self, op: Any, hit: int) -> int:
         ctl = self.controller
@@ -343,7 +481,7 @@ class Rig:
 
     def attach(self) -> None:
         params = inspect.signature(self.controller.attach_storage_backend).parameters
-        kw: dict[str, Any] = {"storage_backend": "dynamic", "prefetch_threshold": self.page_size,
+        kw: dict[str, Any] = {"storage_backend": self.storage_backend, "prefetch_threshold": self.page_size,
                               "model_name": MODEL, "storage_backend_extra_config": dict(self.extra)}
         if "host_pools" in params:
             kw["host_pools"] = getattr(self.controller.mem_pool_host, "entries", None)

@@ -28,6 +28,17 @@ draft without it guesses from nothing and its proposals are rejected.
 MHA layers cache per-head K and V. MLA layers cache one latent vector ``c = W_dkv x`` per token
 and layer and up-project K and V from it (as DeepSeek's MLA does, without the rope split): the
 latent is ``[what the key needs, what the value needs]``.
+
+DSA (DeepSeek Sparse Attention, V3.2's lightning indexer), for specs with ``index_topk > 0``: every
+layer also has an **indexer**. It caches one small key per token and layer, ``k_I = W_ik x``,
+stored as fp8 (e4m3) with one float32 scale per token (DeepSeek's 128 + 4 bytes, here ``index_dim
++ 4``), and scores each earlier position ``s`` for query ``t`` as ``sum_h w_h relu(q_{t,h} . k_s)``
+over a few indexer heads (DeepSeek's weights ``w`` depend on the token; here they are constants).
+The layer's attention then reads **only the ``index_topk`` best-scored cached positions**. The
+circuit heads get a matching indexer head: the previous-token layer's scores position ``i-1``
+highest (the same rotated position code), the induction layer's scores the positions whose
+previous token is the current token. So the indexer keys are part of the cache a restart must
+bring back: with stale or empty indexer keys the top-k misses the positions that matter.
 """
 
 from __future__ import annotations
@@ -57,6 +68,10 @@ class ModelSpec:
     score_scale: float = 12.0  # sharpness of the induction head
     prev_scale: float = 1.5  # sharpness of the previous-token head, per frequency
     max_positions: int = 8192
+    index_heads: int = 0  # DSA: indexer query heads (0: dense attention, no indexer)
+    index_dim: int = 0  # DSA: size of one indexer key
+    index_topk: int = 0  # DSA: cached positions each query's attention reads
+    index_score_scale: float = 4.0
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.heads < 1 or self.vocab < 2:
@@ -67,6 +82,24 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: pos_dim must be even")
         if self.pos_dim == 0 and self.layers != 1:
             raise ValueError(f"model {self.name!r}: a model without positions (a draft) has one layer")
+        index = (self.index_heads, self.index_dim, self.index_topk)
+        if any(index) and not all(v > 0 for v in index):
+            raise ValueError(f"model {self.name!r}: a sparse model needs index_heads, index_dim and index_topk >= 1")
+        if self.sparse:
+            if self.attention is not Attention.MLA:
+                raise ValueError(f"model {self.name!r}: sparse attention (DSA) is built on MLA")
+            if self.index_dim < max(self.token_dim, self.pos_dim):
+                raise ValueError(f"model {self.name!r}: index_dim must be >= token_dim and pos_dim")
+
+    @property
+    def sparse(self) -> bool:
+        """DSA: each layer's attention reads only the top-k positions its indexer picks."""
+        return self.index_topk > 0
+
+    def index_row_bytes(self, page_size: int) -> int:
+        """Bytes of one page's indexer keys in one layer: fp8 keys, then one float32 scale per token
+        (the layout of SGLang's DSA indexer pool, ``index_k_with_scale_buffer``)."""
+        return page_size * (self.index_dim + 4)
 
     @property
     def uses_positions(self) -> bool:
@@ -113,6 +146,24 @@ class LayerWeights:
     w_dkv: torch.Tensor | None = None  # MLA (d_model, d_c)
     w_uk: torch.Tensor | None = None  # MLA (d_c, H*D)
     w_uv: torch.Tensor | None = None
+    wiq: torch.Tensor | None = None  # DSA indexer queries (d_model, index_heads*index_dim)
+    wik: torch.Tensor | None = None  # DSA indexer key (d_model, index_dim)
+    iw: torch.Tensor | None = None  # DSA indexer head weights (1, index_heads)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer keys ``(T, d)`` as stored: fp8 e4m3 bytes ``(T, d)`` uint8 and a float32 scale per token."""
+    scale = keys.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+    fp8 = (keys / scale[:, None]).to(torch.float8_e4m3fn)
+    return fp8.view(torch.uint8), scale
+
+
+def dequantize_index_keys(fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the indexer computes with: the stored fp8 keys times their scale (float32)."""
+    return fp8.view(torch.float8_e4m3fn).to(torch.float32) * scale[..., None]
 
 
 class TinyLM:
@@ -198,7 +249,31 @@ class TinyLM:
         up_v[:, :D] = 0
         up_k[:kw, :D] = k_or_c[key_in, :D]
         up_v[dc - s.token_dim :, :D] = v[val_in, :D]
-        return LayerWeights(wq=q, wo=o, w_dkv=down, w_uk=up_k, w_uv=up_v)
+        weights = LayerWeights(wq=q, wo=o, w_dkv=down, w_uk=up_k, w_uv=up_v)
+        if s.sparse:
+            self._indexer(weights, role, g)
+        return weights
+
+    def _indexer(self, w: LayerWeights, role: str, g: torch.Generator) -> None:
+        """The layer's DSA indexer: head 0 scores what the layer's circuit head needs, other heads
+        (and every head of a random layer) are random."""
+        s = self.spec
+        HI, dI, dm = s.index_heads, s.index_dim, s.d_model
+        wiq = self._random(dm, HI * dI, g, 0.3)
+        wik = self._random(dm, dI, g, 0.3)
+        if role == "prev_token":  # scores position i-1 highest, as the previous-token head does
+            wiq[:, :dI] = 0
+            wik[:] = 0
+            wiq[s.pos, : s.pos_dim] = self._rotation_back() * s.index_score_scale
+            wik[s.pos, : s.pos_dim] = torch.eye(s.pos_dim)
+        elif role == "induction":  # scores the positions whose previous token is the current one
+            wiq[:, :dI] = 0
+            wik[:] = 0
+            wiq[s.tok, : s.token_dim] = torch.eye(s.token_dim) * s.index_score_scale
+            wik[s.prev, : s.token_dim] = torch.eye(s.token_dim)
+        iw = torch.full((1, HI), 0.25)
+        iw[0, 0] = 1.0
+        w.wiq, w.wik, w.iw = wiq, wik, iw
 
     def _rotation_back(self) -> torch.Tensor:
         """``R`` with ``P(i) @ R = P(i-1)`` (rows are the pos code, one 2x2 block per frequency)."""
@@ -216,8 +291,8 @@ class TinyLM:
             return
         self.unembed += self._random(*self.unembed.shape, g, sigma)
         for layer in self.layers:
-            for value in vars(layer).values():
-                if value is not None:
+            for name, value in vars(layer).items():
+                if value is not None and name != "iw":  # the indexer's head weights stay as set
                     value += self._random(*value.shape, g, sigma)
 
     # -- forward ----------------------------------------------------------------------------

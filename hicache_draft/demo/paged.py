@@ -3,6 +3,11 @@
 A device pool is a tensor indexed by slot: MHA ``k``/``v`` of shape ``(layers, slots, heads,
 head_dim)``, MLA ``c`` of shape ``(layers, slots, latent_dim)``. A sequence owns device pages in
 any order (its page table); token ``i`` lives at slot ``table[i // ps] * ps + i % ps``.
+
+A sparse (DSA) model's pool also holds its **indexer cache**: fp8 key bytes ``ik`` of shape
+``(layers, slots, index_dim)`` and float32 scales ``iscale`` ``(layers, slots)``. Its pages go to
+and from a row host pool as one row of bytes per page and layer: the page's fp8 keys, then its
+scales (:meth:`DevicePool.index_rows`).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache_draft.capabilities import Attention, Layout
-from hicache_draft.demo.models import TinyLM
+from hicache_draft.demo.models import LayerWeights, TinyLM, dequantize_index_keys, quantize_index_keys
 from hicache_draft.pools import HostPool
 
 
@@ -31,6 +36,9 @@ class DevicePool:
             self.v = torch.zeros(s.layers, slots, s.heads, s.head_dim, device=dev)
         else:
             self.c = torch.zeros(s.layers, slots, s.latent_dim, device=dev)
+        if s.sparse:
+            self.ik = torch.zeros(s.layers, slots, s.index_dim, dtype=torch.uint8, device=dev)
+            self.iscale = torch.zeros(s.layers, slots, device=dev)
         # Hand pages out in a scrambled order, so page tables are not the identity.
         order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
         self._free = order
@@ -56,6 +64,23 @@ class DevicePool:
             self.v[:, lo:hi] = src[1]
         else:
             self.c[:, lo:hi] = src.squeeze(2)
+
+    def index_rows(self, page: int) -> torch.Tensor:
+        """The device page's indexer cache as ``(layers, row_bytes)`` uint8: per layer the page's
+        fp8 keys (token by token), then its float32 scales (a copy)."""
+        lo, hi = page * self.page_size, (page + 1) * self.page_size
+        L = self.model.spec.layers
+        keys = self.ik[:, lo:hi].reshape(L, -1)
+        scales = self.iscale[:, lo:hi].contiguous().view(torch.uint8)
+        return torch.cat([keys, scales], dim=1)
+
+    def set_index_rows(self, page: int, rows: torch.Tensor) -> None:
+        lo, hi = page * self.page_size, (page + 1) * self.page_size
+        s = self.model.spec
+        src = rows.to(self.model.device).reshape(s.layers, s.index_row_bytes(self.page_size))
+        split = self.page_size * s.index_dim
+        self.ik[:, lo:hi] = src[:, :split].reshape(s.layers, self.page_size, s.index_dim)
+        self.iscale[:, lo:hi] = src[:, split:].contiguous().view(torch.float32)
 
 
 @dataclass
@@ -115,10 +140,34 @@ def forward(seq: SeqKV, tokens: list[int], prev_tokens: list[int], start: int) -
             pool.c[i, new] = x @ w.w_dkv
             c = pool.c[i, slots]
             k, v = (c @ w.w_uk).view(end, H, D), (c @ w.w_uv).view(end, H, D)
-        scores = torch.einsum("thd,shd->hts", q, k).masked_fill(masked, float("-inf"))
+        hidden = _topk_mask(pool, i, w, x, new, slots, masked) if s.sparse else masked
+        scores = torch.einsum("thd,shd->hts", q, k).masked_fill(hidden, float("-inf"))
         attn = torch.softmax(scores, dim=-1)
         x = x + torch.einsum("hts,shd->thd", attn, v).reshape(T, H * D) @ w.wo
     return x @ model.unembed
+
+
+def _topk_mask(
+    pool: DevicePool, layer: int, w: LayerWeights, x: torch.Tensor, new: torch.Tensor, slots: torch.Tensor,
+    masked: torch.Tensor,
+) -> torch.Tensor:
+    """DSA: cache the new tokens' indexer keys, score every visible cached position with the
+    indexer and return the mask ``(T, end)`` that hides all but each query's ``index_topk`` best.
+
+    The scores read the *cached* keys (dequantized from their stored bytes), never keys recomputed
+    from the prefix: a restored prefix is only as good as its restored indexer cache."""
+    s = pool.model.spec
+    assert w.wiq is not None and w.wik is not None and w.iw is not None
+    fp8, scale = quantize_index_keys(x @ w.wik)
+    pool.ik[layer, new] = fp8
+    pool.iscale[layer, new] = scale
+    keys = dequantize_index_keys(pool.ik[layer, slots], pool.iscale[layer, slots])  # (end, dI)
+    q = (x @ w.wiq).view(x.shape[0], s.index_heads, s.index_dim)
+    score = (torch.relu(torch.einsum("thd,sd->ths", q, keys)) * w.iw.view(1, -1, 1)).sum(dim=1)
+    score = score.masked_fill(masked, float("-inf"))
+    top = score.topk(min(s.index_topk, score.shape[1]), dim=-1).indices
+    keep = torch.zeros_like(masked).scatter_(1, top, True)
+    return masked | ~keep
 
 
 # -- L1 <-> L2 ------------------------------------------------------------------------------
@@ -146,3 +195,19 @@ def host_to_device(host: HostPool, host_slot: int, seq: SeqKV, page_index: int) 
     """Copy a host page into page ``page_index`` of the sequence's device pages."""
     seq.reserve((page_index + 1) * seq.pool.page_size)
     seq.pool.set_page(seq.table[page_index], _host_canonical(host, host_slot))
+
+
+def _host_rows(host: HostPool, host_slot: int) -> torch.Tensor:
+    """A row host pool's page at ``host_slot`` as a ``(layers, row_bytes)`` view."""
+    return host.page_view(host_slot).view(host.spec.layers, -1)
+
+
+def index_to_host(seq: SeqKV, page_index: int, host: HostPool, host_slot: int) -> None:
+    """Copy page ``page_index``'s indexer cache from the device pool into a row host pool."""
+    _host_rows(host, host_slot).copy_(seq.pool.index_rows(seq.table[page_index]).cpu())
+
+
+def index_to_device(host: HostPool, host_slot: int, seq: SeqKV, page_index: int) -> None:
+    """Copy a row host pool's page into page ``page_index``'s indexer cache on the device."""
+    seq.reserve((page_index + 1) * seq.pool.page_size)
+    seq.pool.set_index_rows(seq.table[page_index], _host_rows(host, host_slot))

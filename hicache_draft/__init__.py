@@ -14,7 +14,17 @@ import importlib
 from typing import TYPE_CHECKING
 
 from hicache_draft.backend import BackendContext, NoOptions, StorageBackend
-from hicache_draft.capabilities import Attention, Capabilities, IOPath, Layout, PoolCapability, PoolKind
+from hicache_draft.binding import BindingPlan, PoolBinding, Staging, plan_binding, usable_hit
+from hicache_draft.capabilities import (
+    Attention,
+    Capabilities,
+    Component,
+    HitPolicy,
+    IOPath,
+    Layout,
+    PoolCapability,
+    PoolKind,
+)
 from hicache_draft.config import Config, OnMiss, PrefetchPolicy, load_config
 from hicache_draft.errors import (
     BackendSetupError,
@@ -36,7 +46,7 @@ from hicache_draft.page_format import (
     parse_header,
     verify_payload,
 )
-from hicache_draft.paths import PathChoice, plan_paths
+from hicache_draft.paths import PathChoice, plan_paths, plan_pools
 from hicache_draft.plugins import (
     BackendInfo,
     discover_backends,
@@ -44,7 +54,7 @@ from hicache_draft.plugins import (
     register_backend,
     unregister_backend,
 )
-from hicache_draft.pools import HostPool, PoolSpec
+from hicache_draft.pools import KNOWN_POOLS, HostPool, PoolSpec
 from hicache_draft.store import CallReport, Store, attach_headers
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
 
@@ -74,6 +84,15 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BindingPlan",
+    "Component",
+    "HitPolicy",
+    "KNOWN_POOLS",
+    "PoolBinding",
+    "Staging",
+    "plan_binding",
+    "plan_pools",
+    "usable_hit",
     "plan_paths",
     "PathChoice",
     "Metrics",

@@ -12,10 +12,45 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class PoolKind(StrEnum):
-    """The host pools a backend may hold. ``kv`` is the target model's KV, ``draft`` the draft model's."""
+    """A pool's role: ``kv`` is the target model's, ``draft`` the draft model's.
+
+    They are also the names of the two classic pools (the target's and the draft's attention KV).
+    Other pools have names of their own (``"indexer"``, ``"draft_indexer"``, ``"swa"``, ...;
+    :data:`hicache_draft.pools.KNOWN_POOLS`) and one of these two roles."""
 
     KV = "kv"
     DRAFT = "draft"
+
+
+class Component(StrEnum):
+    """What a pool holds.
+
+    ``kv``: attention KV of the whole context (MHA K and V heads, or the MLA latent).
+    ``indexer``: a sparse-attention indexer's keys and scales (DSA), one row of bytes per page and layer.
+    ``window``: sliding-window attention KV (SWA): MHA/MLA geometry, only the trailing pages matter.
+    ``state``: recurrent state (Mamba, linear attention): rows of bytes per state slot and layer.
+    """
+
+    KV = "kv"
+    INDEXER = "indexer"
+    WINDOW = "window"
+    STATE = "state"
+
+    @property
+    def has_attention(self) -> bool:
+        """Whether pools of this component have MHA/MLA geometry (else: row geometry)."""
+        return self in (Component.KV, Component.WINDOW)
+
+
+class HitPolicy(StrEnum):
+    """Which pages of a prefix a pool must restore for the prefix to count.
+
+    ``all_pages``: every page (target and draft KV, indexers). ``trailing_pages``: only the last
+    ``window_pages`` pages of the hit (sliding-window KV, recurrent state), as SGLang's
+    ``PoolHitPolicy`` says."""
+
+    ALL_PAGES = "all_pages"
+    TRAILING_PAGES = "trailing_pages"
 
 
 class Attention(StrEnum):
@@ -49,7 +84,11 @@ class IOPath(StrEnum):
 
 
 class PoolCapability(BaseModel):
-    """What a backend supports for one pool.
+    """What a backend supports for the pools of one role (target ``kv`` or ``draft``).
+
+    ``components``: the components it holds for that role (``kv`` alone unless declared: a backend
+    that stores any bytes under any key can hold them all; one with fixed-size slots may not).
+    ``attention``: the attention types it holds for the ``kv`` and ``window`` components.
 
     ``zero_copy_layouts``: layouts for which the backend accepts page buffers that point straight
     into the registered host pool (one or more buffers per page; see :mod:`hicache_draft.pools`).
@@ -63,6 +102,7 @@ class PoolCapability(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     attention: frozenset[Attention] = Field(min_length=1)
+    components: frozenset[Component] = frozenset({Component.KV})
     zero_copy_layouts: frozenset[Layout] = frozenset()
     generic: bool = True
     max_buffers_per_page: int | None = Field(default=None, ge=1)
@@ -72,7 +112,8 @@ class PoolCapability(BaseModel):
 class Capabilities(BaseModel):
     """A backend's declaration. Validated when the backend is registered.
 
-    ``pools``: the pools it can hold, each with its :class:`PoolCapability`.
+    ``pools``: per role (``kv``: the target's pools, ``draft``: the draft's), what it can hold, as a
+    :class:`PoolCapability`.
     ``split_heads``: it stores the head groups of an MHA page under their own keys, so that servers
     with different ``tp_size`` and one ``tp_lcm_size`` share pages.
     ``persistent``: its data survives a restart of the serving process.
@@ -95,7 +136,14 @@ class Capabilities(BaseModel):
         for kind, cap in v.items():
             if not cap.generic and not cap.zero_copy_layouts:
                 raise ValueError(f"pool {kind.value!r} declares neither zero-copy layouts nor a generic path")
+            if Component.KV not in cap.components:
+                raise ValueError(f"pool {kind.value!r} must hold the 'kv' component")
         return v
+
+    def holds(self, role: PoolKind, component: Component) -> bool:
+        """Whether the backend declares ``component`` for pools of ``role``."""
+        cap = self.pools.get(role)
+        return cap is not None and component in cap.components
 
     def summary(self) -> dict[str, object]:
         """A plain, JSON-ready view of the declaration."""
@@ -103,6 +151,7 @@ class Capabilities(BaseModel):
             "pools": {
                 k.value: {
                     "attention": sorted(a.value for a in c.attention),
+                    "components": sorted(x.value for x in c.components),
                     "zero_copy_layouts": sorted(layout.value for layout in c.zero_copy_layouts),
                     "generic": c.generic,
                     "max_buffers_per_page": c.max_buffers_per_page,

@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from hicache_draft.capabilities import Attention, Layout
+from hicache_draft.capabilities import Attention, Component, HitPolicy, Layout, PoolKind
 from hicache_draft.errors import ConfigError
 
 ENV_PREFIX = "HICACHE_DRAFT_"
@@ -144,6 +144,91 @@ class DraftConfig(PoolShapeConfig):
         return self
 
 
+class Role(StrEnum):
+    """A pool's role as the config says it: the target's or the draft's."""
+
+    TARGET = "target"
+    DRAFT = "draft"
+
+    @property
+    def kind(self) -> PoolKind:
+        return PoolKind.KV if self is Role.TARGET else PoolKind.DRAFT
+
+
+_KNOWN_EXTRA = {
+    "indexer": (Role.TARGET, Component.INDEXER), "draft_indexer": (Role.DRAFT, Component.INDEXER),
+    "swa": (Role.TARGET, Component.WINDOW), "draft_swa": (Role.DRAFT, Component.WINDOW),
+    "mamba": (Role.TARGET, Component.STATE),
+}
+"""SGLang's extra pool names and what they are (the same table as ``hicache_draft.pools.KNOWN_POOLS``)."""
+
+
+class ExtraPoolConfig(_Strict):
+    """One more pool (``[[pools]]``): a DSA indexer, a sliding window, a recurrent state, ...
+
+    The controller indexes it by the target pool's host slots and stores it with the target and
+    draft pages of each batch. Draft-role pools are used only when ``[draft] enabled = true``."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,62}$", description="pool name (SGLang's: indexer, draft_indexer, "
+                      "swa, draft_swa, mamba; others need role and component)")
+    role: Role | None = Field(default=None, description="target or draft; defaults from a known name")
+    component: Component | None = Field(default=None, description="indexer, window, state or kv; defaults from a "
+                                        "known name")
+    layers: int = Field(default=1, ge=1)
+    row_bytes: list[int] | None = Field(
+        default=None, min_length=1, description="indexer/state pools: bytes of one page in one layer, per array"
+    )
+    attention: Attention | None = Field(default=None, description="window/kv pools: mha or mla")
+    kv_heads: int | None = Field(default=None, ge=1)
+    head_dim: int | None = Field(default=None, ge=1)
+    latent_dim: int | None = Field(default=None, ge=1)
+    kv_dtype: KvDtype | None = Field(default=None, description="window/kv pools; defaults to the role's KV dtype")
+    layout: Layout | None = Field(default=None, description="defaults to the target's layout where valid")
+    hit_policy: HitPolicy | None = Field(default=None, description="defaults: trailing_pages for window and state")
+    window_pages: int | None = Field(default=None, ge=1, description="trailing_pages pools: pages a hit needs")
+    sharded: bool | None = Field(default=None, description="each TP rank holds different bytes (default: mha and "
+                                 "state pools)")
+
+    @model_validator(mode="after")
+    def _shape(self) -> ExtraPoolConfig:
+        if self.name in ("kv", "draft"):
+            raise ValueError(f"pool {self.name!r} is configured by [{'target' if self.name == 'kv' else 'draft'}]")
+        known = _KNOWN_EXTRA.get(self.name)
+        if known is None and (self.role is None or self.component is None):
+            raise ValueError(f"pool {self.name!r} is not a known pool name: give its role and component")
+        comp = self.component or (known[1] if known else Component.KV)
+        if comp.has_attention:
+            if self.row_bytes is not None:
+                raise ValueError(f"pool {self.name!r}: row_bytes is for indexer and state pools")
+            if self.attention is None:
+                raise ValueError(f"pool {self.name!r} ({comp.value}) needs attention (mha or mla)")
+            if self.attention is Attention.MHA and (self.kv_heads is None or self.head_dim is None):
+                raise ValueError(f"pool {self.name!r}: attention 'mha' needs kv_heads and head_dim")
+            if self.attention is Attention.MLA and self.latent_dim is None:
+                raise ValueError(f"pool {self.name!r}: attention 'mla' needs latent_dim")
+        else:
+            if self.row_bytes is None or any(r < 1 for r in self.row_bytes):
+                raise ValueError(f"pool {self.name!r} ({comp.value}) needs row_bytes: the bytes of one page in one "
+                                 "layer, per array, each >= 1")
+            if self.attention is not None or self.kv_dtype is not None:
+                raise ValueError(f"pool {self.name!r} ({comp.value}) holds bytes: attention and kv_dtype do not apply")
+            if self.layout is Layout.PAGE_HEAD:
+                raise ValueError(f"pool {self.name!r}: layout 'page_head' is for MHA pools only")
+        if self.layout is Layout.PAGE_HEAD and self.attention is Attention.MLA:
+            raise ValueError(f"pool {self.name!r}: layout 'page_head' is MHA-only (an MLA page has no heads)")
+        return self
+
+    @property
+    def effective_role(self) -> Role:
+        known = _KNOWN_EXTRA.get(self.name)
+        return self.role or (known[0] if known else Role.TARGET)
+
+    @property
+    def effective_component(self) -> Component:
+        known = _KNOWN_EXTRA.get(self.name)
+        return self.component or (known[1] if known else Component.KV)
+
+
 class MetricsConfig(_Strict):
     """Metrics export (``[metrics]``). Prometheus needs the ``hicache-draft[prometheus]`` extra."""
 
@@ -174,6 +259,9 @@ class Config(_Strict):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     target: TargetConfig
     draft: DraftConfig = Field(default_factory=lambda: DraftConfig(enabled=False))
+    pools: list[ExtraPoolConfig] = Field(
+        default_factory=list, description="more pools beyond the target and draft KV ([[pools]])"
+    )
     timeout_s: float = Field(default=10.0, gt=0, le=3600, description="bound on every storage call")
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = Field(default=2.0, gt=0, le=3600)
@@ -184,6 +272,10 @@ class Config(_Strict):
     def _cross(self) -> Config:
         if self.draft.enabled and not self.namespace.draft_model:
             raise ValueError("namespace.draft_model is required when draft.enabled is true")
+        names = [p.name for p in self.pools]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"pool {dup!r} is configured twice in [[pools]]")
         split = self.parallel.split_factor
         if split > 1:
             for name, pool in (("target", self.target), ("draft", self.draft)):

@@ -1,16 +1,18 @@
 """The cache controller: backup and prefetch of target and draft KV pages, together.
 
-* Paths come from :func:`hicache_draft.paths.plan_paths` (the backend's declaration), never from
-  its name: ``zero_copy`` pools hand the backend the host pool's own memory; ``generic`` pools are
-  copied through staging buffers; ``disabled`` pools are skipped with one logged warning.
-* Writer election per pool: a rank-replicated (MLA) pool is written by TP rank 0 only; a sharded
-  (MHA) pool by every rank, under its own keys (an MHA draft on an MLA target included).
-* Hit rules (``draft.on_miss``): ``shorten`` restores min(target hit, draft hit) pages, so no slot
-  is ever reported restored with stale draft KV; ``target_only`` restores the target prefix and
-  lists the draft-cold pages. A failure in either pool truncates the hit at the first failed page.
-  With ``tp_size > 1`` and ``torch.distributed`` initialised, ranks agree on the MIN.
-* Target and draft pages go to the backend in the same batched calls. Nothing here raises into
-  the caller's loop for a storage failure: results say what happened.
+* Every pool (target ``kv``, ``draft``, and the config's ``[[pools]]``: indexers, windows, states)
+  is a :class:`~hicache_draft.binding.PoolBinding`: its path, split, keys, writer election,
+  registration and page building are the binding's (planned by :func:`hicache_draft.paths.plan_pools`
+  from the backend's declaration, never its name). Every pool is indexed by the target's host slots.
+* Hit rule (:func:`hicache_draft.binding.usable_hit`): every ``all_pages`` pool must hold the whole
+  prefix, every ``trailing_pages`` pool its last ``window_pages`` pages. ``draft.on_miss``:
+  ``shorten`` lets the draft-role pools gate the hit too, so no slot is ever reported restored with
+  stale draft state; ``target_only`` restores the target prefix and lists the draft-cold pages. A
+  failure in any pool truncates the hit at the first failed page. With ``tp_size > 1`` and
+  ``torch.distributed`` initialised, ranks agree on the MIN.
+* Every pool's pages of a batch go to the backend in one call (trailing windows in one call after
+  the prefix is in). Nothing here raises into the caller's loop for a storage failure: results say
+  what happened.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -30,15 +32,14 @@ from typing import Any
 import torch
 
 from hicache_draft.backend import BackendContext
-from hicache_draft.capabilities import Attention, IOPath, PoolKind
+from hicache_draft.binding import Batch, PathChoice, PoolBinding, usable_hit
+from hicache_draft.capabilities import Component, HitPolicy, PoolKind
 from hicache_draft.config import Config, OnMiss, PrefetchPolicy
-from hicache_draft.errors import BackendSetupError
-from hicache_draft.keys import make_key, page_hashes, pool_identities
+from hicache_draft.keys import page_hashes
 from hicache_draft.metrics import Metrics, config_observers
-from hicache_draft.paths import PathChoice, plan_paths, pool_specs
-from hicache_draft.pools import Allocator, HostPool, PoolSpec
+from hicache_draft.paths import plan_paths, plan_pools
+from hicache_draft.pools import Allocator, HostPool
 from hicache_draft.store import CallReport, Store
-from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
 
 log = logging.getLogger("hicache_draft.controller")
 
@@ -54,9 +55,9 @@ class BackupResult:
     """
 
     pages: int
-    pages_written: dict[PoolKind, int] = field(default_factory=dict)
-    failed: dict[PoolKind, int] = field(default_factory=dict)
-    not_writer: list[PoolKind] = field(default_factory=list)
+    pages_written: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+    not_writer: list[str] = field(default_factory=list)
     dropped: bool = False
     released: bool = True  # False: a timed-out call may still read the host slots in held_slots
     held_slots: list[int] = field(default_factory=list)
@@ -68,7 +69,9 @@ class PrefetchResult:
 
     ``pages``: restorable prefix in pages (slots ``host_slots[:pages]`` are valid for the target,
     and for the draft unless listed in ``draft_cold``); ``tokens = pages * page_size``.
-    ``restored``: pages per pool whose data is valid. ``hit``: what existence queries promised.
+    ``restored``: pages per pool whose data is valid (for a ``trailing_pages`` pool, the pages of
+    its window, the last ones of the prefix). ``hit``: each pool's own boundary from the existence
+    queries.
     ``released``: False only if an abandoned backend call may still write into the slots listed
     in ``held_slots`` (never slots below ``pages``); wait with :meth:`CacheController.wait_released`
     or :meth:`Operation.wait_released` before reusing them.
@@ -76,10 +79,10 @@ class PrefetchResult:
 
     pages: int = 0
     tokens: int = 0
-    restored: dict[PoolKind, int] = field(default_factory=dict)
-    hit: dict[PoolKind, int] = field(default_factory=dict)
+    restored: dict[str, int] = field(default_factory=dict)
+    hit: dict[str, int] = field(default_factory=dict)
     draft_cold: list[int] = field(default_factory=list)
-    failed: dict[PoolKind, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
     released: bool = True
     held_slots: list[int] = field(default_factory=list)
 
@@ -144,24 +147,6 @@ def _all_done(futures: Sequence[Future[Any]], deadline: float | None) -> bool:
     return True
 
 
-@dataclass
-class _PoolState:
-    spec: PoolSpec
-    pool: HostPool
-    choice: PathChoice
-    namespaces: list[str]  # one per head part
-    split: int
-    writer: bool
-
-    @property
-    def active(self) -> bool:
-        return self.choice.path is not IOPath.DISABLED
-
-    @property
-    def part_nbytes(self) -> int:
-        return self.pool.part_nbytes(self.split)
-
-
 class CacheController:
     """Backs up and restores the target and draft host pools through one :class:`Store`."""
 
@@ -171,7 +156,7 @@ class CacheController:
         store: Store,
         num_pages: int,
         allocator: Allocator | None = None,
-        pools: dict[PoolKind, HostPool] | None = None,
+        pools: Mapping[str, HostPool] | None = None,
         process_group: Any = None,  # noqa: ANN401
         max_pending: int = 64,
     ) -> None:
@@ -180,40 +165,34 @@ class CacheController:
         self.page_size = config.namespace.page_size
         self.metrics = Metrics()
         self.process_group = process_group
-        self.plan: dict[PoolKind, PathChoice] = plan_paths(config, store.capabilities)
         self._host_memory_owners: list[object] = []
-        specs = pool_specs(config)
-        par = config.parallel
-        self._pools: dict[PoolKind, _PoolState] = {}
-        for kind, spec in specs.items():
-            host = (pools or {}).get(kind) or HostPool(
-                spec, num_pages, allocator=allocator or self._backend_allocator(kind)
+        given = dict(pools or {})
+        self._bindings: dict[str, PoolBinding] = {}
+        for name, plan in plan_pools(config, store.capabilities).items():
+            host = given.pop(name, None) or HostPool(
+                plan.spec, num_pages, allocator=allocator or self._backend_allocator(name)
             )
-            if host.spec != spec:
-                raise ValueError(f"given {kind.value} host pool does not match the config's shape")
-            split = par.split_factor if spec.attention is Attention.MHA else 1
-            model = config.namespace.model if kind is PoolKind.KV else str(config.namespace.draft_model)
-            idents = pool_identities(
-                pool=kind, model=model, dtype=str(spec.dtype).removeprefix("torch."), attention=spec.attention,
-                page_size=spec.page_size, layers=spec.layers, layout=spec.layout, kv_heads=spec.kv_heads or None,
-                head_dim=spec.head_dim or None, latent_dim=spec.latent_dim or None, tp_rank=par.tp_rank,
-                tp_size=par.tp_size, pp_rank=par.pp_rank, pp_size=par.pp_size, tp_lcm_size=par.tp_lcm_size,
-                target_model=config.namespace.model,
-            )
-            writer = spec.attention is Attention.MHA or par.tp_rank == 0
-            state = _PoolState(spec, host, self.plan[kind], [i.fingerprint() for i in idents], split, writer)
-            self._pools[kind] = state
+            if host.spec != plan.spec:
+                raise ValueError(f"given {name} host pool does not match the config's shape")
+            self._bindings[name] = PoolBinding(plan, host)
+        if given:
+            raise ValueError(f"host pools given for pools the config does not have: {sorted(given)}")
         self._register_pools()
+        self.plan: dict[str, PathChoice] = plan_paths(config, store.capabilities)
+        self.plan.update({name: b.choice for name, b in self._bindings.items()})
+        par = config.parallel
         if par.tp_size > 1 and not store.capabilities.shared:
             log.warning(
                 "backend %r does not declare shared = true, yet %d TP ranks use it; "
                 "each rank needs a store of its own", store.name, par.tp_size,
             )
-        if config.draft.enabled and not self._pools[PoolKind.DRAFT].active:
-            log.warning(
-                "draft KV offload disabled for backend %r: %s; restored pages will be reported draft-cold",
-                store.name, self.plan[PoolKind.DRAFT].reason,
-            )
+        for name, b in self._bindings.items():
+            if b.spec.role is PoolKind.DRAFT and not b.active:
+                what = "KV" if b.spec.component is Component.KV else b.spec.component.value
+                log.warning(
+                    "draft %s offload disabled for backend %r (pool %r): %s; restored pages will be reported "
+                    "draft-cold", what, store.name, name, b.reason,
+                )
         self._held: list[tuple[Future[Any], tuple[int, ...]]] = []
         self._held_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-draft-ctl")
@@ -240,13 +219,13 @@ class CacheController:
             store.close()
             raise
 
-    def _backend_allocator(self, kind: PoolKind) -> Allocator | None:
+    def _backend_allocator(self, pool: str) -> Allocator | None:
         """An allocator over memory the backend offers through ``host_memory`` (if it does)."""
         if not self.store.has_hook("host_memory"):
             return None
 
         def alloc(nbytes: int) -> torch.Tensor:
-            buf = self.store.host_memory(kind, nbytes)
+            buf = self.store.host_memory(pool, nbytes)
             if buf is None:
                 return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             arr = (ctypes.c_ubyte * buf.nbytes).from_address(buf.ptr)
@@ -258,84 +237,42 @@ class CacheController:
 
     # -- setup -------------------------------------------------------------------------------------
     def _register_pools(self) -> None:
-        for kind, st in self._pools.items():
-            if not st.active:
-                continue
-            reg = PoolRegistration(
-                pool=kind, attention=st.spec.attention, layout=st.spec.layout, namespace=st.namespaces[0],
-                page_nbytes=st.part_nbytes,
-                buffers_per_page=st.spec.buffers_per_page() if st.choice.path is IOPath.ZERO_COPY else 1,
-                regions=st.pool.regions(),
-            )
-            try:
-                self.store.register_pool(reg)
-            except BackendSetupError as exc:
-                st.choice = PathChoice(IOPath.DISABLED, f"the backend refused the pool: {exc}")
-                self.plan[kind] = st.choice
-                log.warning("%s pool offload disabled: %s", kind.value, exc)
-        kv = self._pools[PoolKind.KV]
-        draft = self._pools.get(PoolKind.DRAFT)
-        if draft is not None and draft.active and not kv.active:
-            draft.choice = PathChoice(IOPath.DISABLED, "the target 'kv' pool is disabled, so nothing is offloaded")
-            self.plan[PoolKind.DRAFT] = draft.choice
+        for name, b in self._bindings.items():
+            if b.active and not b.register(self.store):
+                log.warning("%s pool offload disabled: %s", name, b.reason)
+        if not self._bindings[PoolKind.KV].active:
+            for name, b in self._bindings.items():
+                if name != PoolKind.KV and b.active:
+                    b.disable("the target 'kv' pool is disabled, so nothing is offloaded")
+
+    @property
+    def bindings(self) -> dict[str, PoolBinding]:
+        """Every pool's binding, by pool name (target ``kv`` first)."""
+        return dict(self._bindings)
+
+    def host_pool(self, name: str) -> HostPool:
+        """The host pool called ``name`` (``"kv"``, ``"draft"``, ``"indexer"``, ...)."""
+        host = self._bindings[name].host
+        assert host is not None
+        return host
 
     @property
     def target_pool(self) -> HostPool:
-        return self._pools[PoolKind.KV].pool
+        return self.host_pool(PoolKind.KV)
 
     @property
     def draft_pool(self) -> HostPool | None:
-        st = self._pools.get(PoolKind.DRAFT)
-        return st.pool if st is not None else None
+        b = self._bindings.get(PoolKind.DRAFT)
+        return b.host if b is not None else None
 
     @property
     def draft_active(self) -> bool:
-        st = self._pools.get(PoolKind.DRAFT)
-        return st is not None and st.active
+        b = self._bindings.get(PoolKind.DRAFT)
+        return b is not None and b.active
 
-    def keys_for(self, kind: PoolKind, hashes: Sequence[str]) -> list[str]:
-        """The storage keys of pool ``kind`` for page hashes, part after part for each page."""
-        st = self._pools[kind]
-        return [make_key(h, ns) for h in hashes for ns in st.namespaces]
-
-    # -- page building --------------------------------------------------------------------------
-    def _pages(
-        self, st: _PoolState, hashes: Sequence[str], slots: Sequence[int], fill: bool
-    ) -> tuple[list[Page], list[tuple[int, int, torch.Tensor]]]:
-        """Pages (all parts of each page, in order) and, for the generic path, the staging copies."""
-        pages: list[Page] = []
-        staged: list[tuple[int, int, torch.Tensor]] = []
-        zero_copy = st.choice.path is IOPath.ZERO_COPY
-        stage: torch.Tensor | None = None
-        regions: list[tuple[Buffer, ...]] = []
-        if zero_copy:
-            index = st.pool.slot_buffers(st.split)
-            index.check(slots)
-            regions = index.buffers(slots)  # page after page, its head parts in order
-        else:
-            stage = torch.empty((len(hashes) * st.split, st.part_nbytes), dtype=torch.uint8)
-        for i, (h, slot) in enumerate(zip(hashes, slots, strict=True)):
-            for part, ns in enumerate(st.namespaces):
-                if zero_copy:
-                    bufs = regions[i * st.split + part]
-                else:
-                    assert stage is not None
-                    row = stage[i * st.split + part]
-                    if fill:
-                        st.pool.copy_page_out(slot, row, part, st.split)
-                    staged.append((slot, part, row))
-                    bufs = (Buffer(row.data_ptr(), row.numel(), owner=stage),)
-                pages.append(Page(key=make_key(h, ns), group=h, namespace=ns, buffers=bufs))
-        return pages, staged
-
-    def _page_prefix(self, st: _PoolState, results: Sequence[PageResult]) -> int:
-        """Leading pages whose every part is OK."""
-        n = 0
-        for i in range(0, len(results), st.split):
-            if any(r != PageResult.OK for r in results[i : i + st.split]):
-                break
-            n += 1
-        return n
+    def keys_for(self, pool: str, hashes: Sequence[str]) -> list[str]:
+        """The storage keys of ``pool`` for page hashes, part after part for each page."""
+        return self._bindings[pool].keys(hashes)
 
     def _agree(self, value: int) -> int:
         """MIN of ``value`` across the TP group when torch.distributed is initialised."""
@@ -401,7 +338,7 @@ class CacheController:
         _op: Operation | None = None,
     ) -> BackupResult:
         """Store the full pages of ``token_ids`` from ``host_slots`` (first slot of each page),
-        target and draft together. Never raises for storage trouble.
+        every pool together. Never raises for storage trouble.
 
         Batches go out one after the other; the first batch that times out, errors or fails
         entirely ends the backup and the rest is reported failed. If an abandoned zero-copy call
@@ -413,37 +350,32 @@ class CacheController:
         n = min(len(hashes), len(host_slots))
         hashes, host_slots = hashes[:n], list(host_slots[:n])
         result = BackupResult(pages=n)
-        writers = [(k, st) for k, st in self._pools.items() if st.active and st.writer]
-        result.not_writer = [k for k, st in self._pools.items() if st.active and not st.writer]
-        for k, _ in writers:
-            result.pages_written[k] = 0
-            result.failed[k] = 0
+        writers = [b for b in self._bindings.values() if b.active and b.writer]
+        result.not_writer = [name for name, b in self._bindings.items() if b.active and not b.writer]
+        for b in writers:
+            result.pages_written[b.name] = 0
+            result.failed[b.name] = 0
         step = self.config.batch_pages
         done = 0
         for start in range(0, n if writers else 0, step):
             if _op is not None and _op.cancelled.is_set():
                 break
-            hs, sl = hashes[start : start + step], list(host_slots[start : start + step])
-            transfers = []
-            for kind, st in writers:
-                pages, _ = self._pages(st, hs, sl, fill=True)
-                transfers.append(PageTransfer(kind, pages, st.choice.path is IOPath.ZERO_COPY))
+            hs, sl = hashes[start : start + step], host_slots[start : start + step]
+            batches = [b.slot_batch(hs, sl, fill=True) for b in writers]
             t0 = time.perf_counter()
-            rep = self.store.call("page_set", transfers)
+            rep = self.store.call("page_set", [bt.transfer for bt in batches])
             dt = time.perf_counter() - t0
             done = start + len(hs)
             all_failed = True
-            for kind, st in writers:
-                r = rep.results[kind]
-                self.metrics.record_set(kind, r, st.part_nbytes, dt / len(writers))
-                ok_pages = sum(
-                    1 for i in range(0, len(r), st.split) if all(x == PageResult.OK for x in r[i : i + st.split])
-                )
+            for b in writers:
+                r = rep.results[b.name]
+                self.metrics.record_set(b.name, r, b.part_nbytes, dt / len(writers))
+                ok_pages = sum(b.page_oks(r))
                 all_failed &= ok_pages == 0
-                result.pages_written[kind] += ok_pages
-                result.failed[kind] += len(hs) - ok_pages
+                result.pages_written[b.name] += ok_pages
+                result.failed[b.name] += len(hs) - ok_pages
             if rep.outcome != "ok":
-                zc = sl if any(t.zero_copy for t in transfers) else []
+                zc = sorted({s for bt in batches for s in bt.zero_copy_slots})
                 if not self._let_go(rep, zc, _op):
                     result.released = False
                     result.held_slots.extend(zc)
@@ -451,11 +383,29 @@ class CacheController:
                 _op.partial = result
             if rep.outcome != "ok" or all_failed:
                 break
-        for k, _ in writers:  # what a stopped backup never sent
-            result.failed[k] += n - done
+        for b in writers:  # what a stopped backup never sent
+            result.failed[b.name] += n - done
         return result
 
     # -- prefetch -------------------------------------------------------------------------------------
+    def _plan_hit(self, hashes: Sequence[str], n: int, shorten: bool, result: PrefetchResult) -> tuple[int, int]:
+        """(pages, draft pages) the stores promise for ``hashes[:n]``: one existence query for the
+        ``all_pages`` pools, then each ``trailing_pages`` pool's window (the hit rule is
+        :func:`~hicache_draft.binding.usable_hit`)."""
+        active = [b for b in self._bindings.values() if b.active]
+        every = [b for b in active if b.spec.hit_policy is HitPolicy.ALL_PAGES]
+        counts = self.store.page_exists({b.name: b.keys(hashes[:n]) for b in every})
+        prefix = {b.name: counts.get(b.name, 0) // b.split for b in every}
+
+        def window_stored(b: PoolBinding, end: int) -> int:
+            tail = list(hashes[max(0, end - b.spec.window_pages) : end])[::-1]  # last page first
+            got = self.store.page_exists({b.name: b.keys(tail)})
+            return got.get(b.name, 0) // b.split
+
+        hit = usable_hit(active, prefix, window_stored, limit=n, draft_gates=shorten)
+        result.hit = dict(hit.boundaries)
+        return hit.pages, hit.draft_pages
+
     def prefetch(
         self, token_ids: Sequence[int], host_slots: Sequence[int], prior_hash: str | None = None,
         _op: Operation | None = None,
@@ -468,106 +418,133 @@ class CacheController:
         out or errors ends the prefetch; nothing it read is used."""
         hashes = page_hashes(token_ids, self.page_size, prior_hash)
         n = min(len(hashes), len(host_slots))
-        kv = self._pools[PoolKind.KV]
-        draft = self._pools.get(PoolKind.DRAFT)
-        draft_on = draft is not None and draft.active
+        host_slots = list(host_slots)
+        kv = self._bindings[PoolKind.KV]
         shorten = self.config.draft.on_miss is OnMiss.SHORTEN
+        active = [b for b in self._bindings.values() if b.active]
+        draft_on = any(b.spec.role is PoolKind.DRAFT for b in active)
         result = PrefetchResult()
         planned = draft_planned = 0
         if kv.active and n > 0:
-            queries = {PoolKind.KV: self.keys_for(PoolKind.KV, hashes[:n])}
-            if draft_on:
-                queries[PoolKind.DRAFT] = self.keys_for(PoolKind.DRAFT, hashes[:n])
-            counts = self.store.page_exists(queries)
-            hit = {PoolKind.KV: counts[PoolKind.KV] // kv.split}
-            if draft_on:
-                assert draft is not None
-                hit[PoolKind.DRAFT] = counts[PoolKind.DRAFT] // draft.split
-            result.hit = dict(hit)
-            planned = hit[PoolKind.KV]
-            draft_planned = min(hit.get(PoolKind.DRAFT, 0), planned)
-            if draft_on and shorten:
-                planned = draft_planned
+            planned, draft_planned = self._plan_hit(hashes, n, shorten, result)
         planned = self._agree(planned)  # every rank, even one whose pool is disabled
         draft_planned = min(draft_planned, planned)
-        kv_ok = draft_ok = 0
-        failed = {PoolKind.KV: 0, PoolKind.DRAFT: 0}
+        # all-pages pools come in batch by batch; the target's and (shorten) the draft's gate the prefix
+        every = [b for b in active if b.spec.hit_policy is HitPolicy.ALL_PAGES]
+        trailing = [b for b in active if b.spec.hit_policy is HitPolicy.TRAILING_PAGES]
+        gate = [b for b in every if shorten or b.spec.role is not PoolKind.DRAFT]
+        lagging = [b for b in every if b not in gate]  # target_only drafts: best effort, never gating
+        ok = {b.name: 0 for b in active}
+        failed: dict[str, int] = {}
         step = self.config.batch_pages
+        stopped = False
         for start in range(0, planned if kv.active else 0, step):
             if _op is not None and _op.cancelled.is_set():
+                stopped = True
                 break
             end = min(planned, start + step)
-            hs, sl = hashes[start:end], list(host_slots[start:end])
-            loads: list[tuple[PoolKind, _PoolState, list[tuple[int, int, torch.Tensor]]]] = []
-            transfers = []
-            pages, staged = self._pages(kv, hs, sl, fill=False)
-            transfers.append(PageTransfer(PoolKind.KV, pages, kv.choice.path is IOPath.ZERO_COPY))
-            loads.append((PoolKind.KV, kv, staged))
-            zc = list(sl) if kv.choice.path is IOPath.ZERO_COPY else []
-            if draft_on and draft_ok == start and start < draft_planned:
-                assert draft is not None
-                dn = min(end, draft_planned) - start
-                pages, staged = self._pages(draft, hs[:dn], sl[:dn], fill=False)
-                transfers.append(PageTransfer(PoolKind.DRAFT, pages, draft.choice.path is IOPath.ZERO_COPY))
-                loads.append((PoolKind.DRAFT, draft, staged))
-                if draft.choice.path is IOPath.ZERO_COPY:
-                    zc = sorted(set(zc) | set(sl[:dn]))
-            if _op is not None:
-                with _op._lock:
-                    _op.in_flight = zc
-            t0 = time.perf_counter()
-            rep = self.store.call("page_get", transfers)
-            dt = time.perf_counter() - t0
-            for kind, st, _ in loads:
-                self.metrics.record_get(kind, rep.results[kind], st.part_nbytes, dt / len(loads))
-            if rep.outcome != "ok":
-                for kind, _, _ in loads:
-                    failed[kind] += 1
-                if not self._let_go(rep, zc, _op):
-                    result.released = False
-                    result.held_slots.extend(zc)
-                if _op is not None:
-                    with _op._lock:
-                        _op.in_flight = []
+            hs, sl = hashes[start:end], host_slots[start:end]
+            loads = [(b, b.slot_batch(hs, sl, fill=False)) for b in gate]
+            for b in lagging:
+                if ok[b.name] == start and start < draft_planned:
+                    dn = min(end, draft_planned) - start
+                    loads.append((b, b.slot_batch(hs[:dn], sl[:dn], fill=False)))
+            if not self._load(loads, ok, failed, result, _op, gate=[b.name for b in gate], draft_on=draft_on,
+                              shorten=shorten):
+                stopped = True
                 break
-            with _op._lock if _op is not None else contextlib.nullcontext():
-                if _op is not None:
-                    _op.in_flight = []
-                    if _op.cancelled.is_set():  # the caller took its result: publish nothing more
-                        break
-                for kind, st, staged in loads:
-                    r = rep.results[kind]
-                    got = self._page_prefix(st, r)
-                    for slot, part, row in staged[: got * st.split]:
-                        st.pool.copy_page_in(slot, row, part, st.split)
-                    if got < len(r) // st.split:
-                        failed[kind] += 1
-                    if kind is PoolKind.KV:
-                        kv_ok += got
-                    else:
-                        draft_ok += got
-                if _op is not None:
-                    _op.partial = self._finish(result, kv_ok, draft_ok, draft_on, shorten, failed, agree=False)
-            if kv_ok < end or (draft_on and shorten and draft_ok < min(end, draft_planned)):
+            if any(ok[b.name] < end for b in gate):
                 break
-        return self._finish(result, kv_ok, draft_ok, draft_on, shorten, failed, agree=True)
+        pages = min((ok[b.name] for b in gate), default=0)
+        if trailing and pages and not stopped:
+            lo = [max(0, pages - b.spec.window_pages) for b in trailing]
+            windows = [(b, b.slot_batch(hashes[a:pages], host_slots[a:pages], fill=False))
+                       for b, a in zip(trailing, lo, strict=True)]
+            self._load(windows, ok, failed, result, _op, gate=[b.name for b in gate], draft_on=draft_on,
+                       shorten=shorten, window=True)
+        return self._finish(result, ok, pages, draft_on, shorten, failed, agree=True)
+
+    def _load(
+        self, loads: list[tuple[PoolBinding, Batch]], ok: dict[str, int], failed: dict[str, int],
+        result: PrefetchResult, op: Operation | None, *, gate: Sequence[str], draft_on: bool, shorten: bool,
+        window: bool = False,
+    ) -> bool:
+        """One ``page_get`` for ``loads``; publishes (copies staged pages, counts leading OK pages
+        into ``ok``: added for batches of the prefix, set for ``window`` loads of trailing pools)
+        unless the call failed or the operation was cancelled. False: stop."""
+        zc = sorted({s for _, bt in loads for s in bt.zero_copy_slots})
+        if op is not None:
+            with op._lock:
+                op.in_flight = zc
+        t0 = time.perf_counter()
+        rep = self.store.call("page_get", [bt.transfer for _, bt in loads])
+        dt = time.perf_counter() - t0
+        for b, _ in loads:
+            self.metrics.record_get(b.name, rep.results[b.name], b.part_nbytes, dt / len(loads))
+        if rep.outcome != "ok":
+            for b, _ in loads:
+                failed[b.name] = failed.get(b.name, 0) + 1
+            if not self._let_go(rep, zc, op):
+                result.released = False
+                result.held_slots.extend(zc)
+            if op is not None:
+                with op._lock:
+                    op.in_flight = []
+            return False
+        with op._lock if op is not None else contextlib.nullcontext():
+            if op is not None:
+                op.in_flight = []
+                if op.cancelled.is_set():  # the caller took its result: publish nothing more
+                    return False
+            for b, bt in loads:
+                r = rep.results[b.name]
+                got = b.prefix(r)
+                b.finish_get(bt, r, upto=got)
+                if got < len(r) // b.split:
+                    failed[b.name] = failed.get(b.name, 0) + 1
+                ok[b.name] = got if window else ok[b.name] + got
+            if op is not None:
+                pages = min((ok[name] for name in gate), default=0)
+                op.partial = self._finish(result, ok, pages, draft_on, shorten, failed, agree=False)
+        return True
 
     def _finish(
-        self, result: PrefetchResult, kv_ok: int, draft_ok: int, draft_on: bool, shorten: bool,
-        failed: dict[PoolKind, int], agree: bool,
+        self, result: PrefetchResult, ok: Mapping[str, int], pages: int, draft_on: bool, shorten: bool,
+        failed: dict[str, int], agree: bool,
     ) -> PrefetchResult:
-        pages = min(kv_ok, draft_ok) if (draft_on and shorten) else kv_ok
+        """The result for a prefix of ``pages``: shortened by every gating trailing window that did
+        not come back whole; draft-role pools that did not come back make pages draft-cold."""
+        for b in self._bindings.values():
+            if (b.active and b.spec.hit_policy is HitPolicy.TRAILING_PAGES and pages
+                    and (shorten or b.spec.role is not PoolKind.DRAFT)
+                    and ok.get(b.name, 0) < min(b.spec.window_pages, pages)):
+                pages = 0  # its window at this prefix did not come back: nothing here is usable
         if agree:
             pages = self._agree(pages)
         out = PrefetchResult(
             pages=pages, tokens=pages * self.page_size, hit=dict(result.hit), released=result.released,
             failed={k: v for k, v in failed.items() if v}, held_slots=list(result.held_slots),
         )
-        out.restored[PoolKind.KV] = pages
+        draft = pages
+        for name, b in self._bindings.items():
+            if b.spec.role is PoolKind.DRAFT and not self.config.draft.enabled:
+                continue
+            if b.spec.hit_policy is HitPolicy.TRAILING_PAGES:
+                got = min(ok.get(name, 0), pages) if b.active else 0
+                whole = got >= min(b.spec.window_pages, pages)
+                out.restored[name] = got
+                if b.spec.role is PoolKind.DRAFT and not whole:
+                    draft = 0
+            else:
+                got = min(ok.get(name, 0), pages) if b.active else 0
+                out.restored[name] = pages if b.spec.role is PoolKind.KV and b.active else got
+                if b.spec.role is PoolKind.DRAFT:
+                    draft = min(draft, got)
         if self.config.draft.enabled:
-            d = min(draft_ok, pages) if draft_on else 0
-            out.restored[PoolKind.DRAFT] = d
-            out.draft_cold = list(range(d, pages))
+            draft = draft if draft_on else 0
+            out.draft_cold = list(range(draft, pages))
+            if PoolKind.DRAFT in out.restored:
+                out.restored[PoolKind.DRAFT] = min(out.restored[PoolKind.DRAFT], draft)
         return out
 
     # -- background --------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def register_pool(registration: PoolRegistration) -> None:
 
 
 @hookspec(firstresult=True)
-def page_set(transfers: Sequence[PageTransfer], deadline: float) -> Mapping[PoolKind, Sequence[PageResult]]:
+def page_set(transfers: Sequence[PageTransfer], deadline: float) -> Mapping[str, Sequence[PageResult]]:
     """Store pages. ``transfers`` holds one :class:`PageTransfer` per pool (target and draft of
     one backup come in one call). Read each page's bytes from its buffers.
 
@@ -65,7 +65,7 @@ def page_set(transfers: Sequence[PageTransfer], deadline: float) -> Mapping[Pool
 @hookspec(firstresult=True)
 def page_get(
     transfers: Sequence[PageTransfer], deadline: float, finished: Callable[[PoolKind, Iterable[int]], None]
-) -> Mapping[PoolKind, Sequence[PageResult]]:
+) -> Mapping[str, Sequence[PageResult]]:
     """Load pages into the given buffers, which the backend fills completely, and each page's
     stored 64-byte header into ``page.header``.
 
@@ -84,7 +84,7 @@ def page_get(
 
 
 @hookspec
-def page_rejected(rejected: Mapping[PoolKind, Sequence[str]]) -> None:
+def page_rejected(rejected: Mapping[str, Sequence[str]]) -> None:
     """Optional: pages you answered ``OK`` that failed the core's verification (key by pool).
 
     Your copy of them is bad (torn, rotten, foreign): drop or quarantine it, so the next read is a
@@ -94,7 +94,7 @@ def page_rejected(rejected: Mapping[PoolKind, Sequence[str]]) -> None:
 
 
 @hookspec(firstresult=True)
-def page_exists(queries: Mapping[PoolKind, Sequence[str]], deadline: float) -> Mapping[PoolKind, int]:
+def page_exists(queries: Mapping[str, Sequence[str]], deadline: float) -> Mapping[str, int]:
     """For each pool, how many leading keys of its list are stored (stop at the first missing).
 
     ``queries`` maps a pool to keys in prefix order. An error counts as "not stored" from that
@@ -103,7 +103,7 @@ def page_exists(queries: Mapping[PoolKind, Sequence[str]], deadline: float) -> M
 
 
 @hookspec(firstresult=True)
-def host_memory(pool: PoolKind, nbytes: int) -> Buffer | None:
+def host_memory(pool: str, nbytes: int) -> Buffer | None:
     """Optionally provide the memory for a host pool, before it is built.
 
     Return a :class:`~hicache_draft.Buffer` of at least ``nbytes`` bytes (e.g. from a shared-memory
@@ -119,7 +119,7 @@ def call_done(
     outcome: str,
     seconds: float,
     transfers: Sequence[PageTransfer],
-    results: Mapping[PoolKind, Sequence[PageResult]],
+    results: Mapping[str, Sequence[PageResult]],
 ) -> None:
     """For observers (metrics, tracing): a ``page_set``, ``page_get`` or ``page_exists`` call of
     the store is over, as the caller sees it.

@@ -23,7 +23,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from hicache_draft.capabilities import Attention, Layout, PoolKind
+from hicache_draft.capabilities import Attention, Component, Layout, PoolKind
 
 KEY_FORMAT_VERSION = 2
 """2: draft namespaces carry the target model's identity (stores written by version 1 simply miss)."""
@@ -55,10 +55,10 @@ def page_hashes(token_ids: Sequence[int], page_size: int, prior: str | None = No
 class PoolIdentity:
     """Every dimension of one pool (and one head part) that changes its bytes."""
 
-    pool: PoolKind
+    pool: str
     model: str
     dtype: str
-    attention: Attention
+    attention: Attention | None
     page_size: int
     layers: int
     layout: Layout
@@ -69,10 +69,21 @@ class PoolIdentity:
     latent_dim: int = 0  # mla
     shard: str = ""  # mha: "hg{group}/{groups}", the global head group; mla: "" (replicated)
     target: str = ""  # draft pools: the target model's identity (its hidden states feed the draft)
+    component: Component = Component.KV
+    rows: tuple[int, ...] = ()  # row pools: bytes of one page in one layer, per array
 
     def fingerprint(self) -> str:
-        """96-bit hex fingerprint of this identity (stable across processes and machines)."""
+        """96-bit hex fingerprint of this identity (stable across processes and machines).
+
+        The component and rows enter only when they are not the classic pools' (``kv``, none),
+        so the two classic pools keep the keys of key format 2."""
         doc = {k: (v.value if hasattr(v, "value") else v) for k, v in asdict(self).items()}
+        if self.component is Component.KV:
+            del doc["component"]
+        if not self.rows:
+            del doc["rows"]
+        else:
+            doc["rows"] = list(self.rows)
         doc["v"] = KEY_FORMAT_VERSION
         raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(raw).hexdigest()[:24]
@@ -80,10 +91,10 @@ class PoolIdentity:
 
 def pool_identities(
     *,
-    pool: PoolKind,
+    pool: str,
     model: str,
     dtype: str,
-    attention: Attention,
+    attention: Attention | None,
     page_size: int,
     layers: int,
     layout: Layout,
@@ -96,17 +107,28 @@ def pool_identities(
     pp_size: int,
     tp_lcm_size: int | None,
     target_model: str | None = None,
+    role: PoolKind | None = None,
+    component: Component = Component.KV,
+    rows: tuple[int, ...] = (),
+    sharded: bool | None = None,
 ) -> list[PoolIdentity]:
     """The identities of one pool on this rank: one per head part (one part unless split).
 
-    ``target_model`` is required for the draft pool: its identity is part of every draft key."""
-    if pool is PoolKind.DRAFT and not target_model:
+    ``role`` defaults to the pool's name for the two classic pools (``kv``, ``draft``).
+    ``target_model`` is required for draft-role pools: its identity is part of every draft key.
+    Row pools (``attention`` None) are rank-neutral unless ``sharded`` (then per TP rank)."""
+    role = PoolKind(role if role is not None else (PoolKind.DRAFT if pool == PoolKind.DRAFT else PoolKind.KV))
+    if role is PoolKind.DRAFT and not target_model:
         raise ValueError("draft pool identities need target_model: the draft's KV depends on the target's weights")
     common = dict(
-        pool=pool, model=model, dtype=dtype, attention=attention, page_size=page_size, layers=layers,
+        pool=str(pool), model=model, dtype=dtype, attention=attention, page_size=page_size, layers=layers,
         layout=layout, pp_rank=pp_rank, pp_size=pp_size,
-        target=str(target_model) if pool is PoolKind.DRAFT else "",
+        target=str(target_model) if role is PoolKind.DRAFT else "", component=Component(component),
+        rows=tuple(rows),
     )
+    if attention is None:
+        shard = f"r{tp_rank}/{tp_size}" if sharded else ""
+        return [PoolIdentity(**common, shard=shard)]
     if attention is Attention.MLA:
         return [PoolIdentity(**common, latent_dim=int(latent_dim or 0))]
     assert kv_heads is not None and head_dim is not None

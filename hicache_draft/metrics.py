@@ -42,10 +42,10 @@ class PoolCounters:
 class Metrics:
     """Counters per pool (``kv``, ``draft``), updated by the controller."""
 
-    pools: dict[PoolKind, PoolCounters] = field(default_factory=lambda: {p: PoolCounters() for p in PoolKind})
+    pools: dict[str, PoolCounters] = field(default_factory=lambda: {p: PoolCounters() for p in PoolKind})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record_set(self, pool: PoolKind, results: Sequence[PageResult], page_nbytes: int, seconds: float) -> None:
+    def record_set(self, pool: str, results: Sequence[PageResult], page_nbytes: int, seconds: float) -> None:
         ok = sum(1 for r in results if r == PageResult.OK)
         with self._lock:
             c = self.pools[pool]
@@ -54,7 +54,7 @@ class Metrics:
             c.write_failures += len(results) - ok
             c.seconds += seconds
 
-    def record_get(self, pool: PoolKind, results: Sequence[PageResult], page_nbytes: int, seconds: float) -> None:
+    def record_get(self, pool: str, results: Sequence[PageResult], page_nbytes: int, seconds: float) -> None:
         with self._lock:
             c = self.pools[pool]
             for r in results:
@@ -124,7 +124,7 @@ class CallTimer:
             self._note("page_get", started, sum(len(t.pages) for t in transfers))
 
     @hookimpl(wrapper=True)
-    def page_exists(self, queries: Mapping[PoolKind, Sequence[str]]) -> Generator[None, object, object]:
+    def page_exists(self, queries: Mapping[str, Sequence[str]]) -> Generator[None, object, object]:
         started = time.perf_counter()
         try:
             return (yield)

@@ -38,9 +38,18 @@ HEADER_SIZE = 64
 _HEAD = struct.Struct("<8sHBBIQQ12s16s")
 _HEAD_FULL = struct.Struct("<8sHBBIQQ12s16sI")  # the same, with the trailing header checksum
 _HEADER_SUM = struct.Struct("<I")
-_POOL_CODE = {PoolKind.KV: 0, PoolKind.DRAFT: 1}
-_CODE_POOL = {v: k for k, v in _POOL_CODE.items()}
 assert _HEAD.size + 4 == HEADER_SIZE
+
+
+@functools.lru_cache(maxsize=256)
+def pool_code(pool: str) -> int:
+    """The header's one-byte pool code: 0 for ``kv``, 1 for ``draft`` (format 1 as it was), and
+    2..255 from a hash of any other pool's name (whose name is also in the namespace)."""
+    if pool == PoolKind.KV:
+        return 0
+    if pool == PoolKind.DRAFT:
+        return 1
+    return 2 + xxhash.xxh32_intdigest(str(pool).encode()) % 254
 
 
 class HeaderProblem(StrEnum):
@@ -81,7 +90,7 @@ def key_digest(key: str) -> bytes:
 
 @dataclass(frozen=True)
 class PageHeader:
-    pool: PoolKind
+    pool: str
     payload_len: int
     payload_checksum: int
     namespace: bytes
@@ -99,7 +108,7 @@ def namespace_bytes(namespace: str) -> bytes:
 
 
 def make_header(
-    key: str, namespace: str, pool: PoolKind, payload: Iterable[memoryview | bytes | bytearray]
+    key: str, namespace: str, pool: str, payload: Iterable[memoryview | bytes | bytearray]
 ) -> bytes:
     """The 64-byte header for a page whose payload is the concatenation of ``payload``."""
     out = bytearray(HEADER_SIZE)
@@ -108,7 +117,7 @@ def make_header(
 
 
 def make_headers(
-    pages: Sequence[tuple[str, str, PoolKind, Sequence[memoryview | bytes | bytearray]]],
+    pages: Sequence[tuple[str, str, str, Sequence[memoryview | bytes | bytearray]]],
 ) -> bytearray:
     """The headers of many pages in one buffer: ``pages[i]`` is ``(key, namespace, pool,
     payload parts)`` and its header is bytes ``64*i .. 64*i+64``, equal to :func:`make_header`'s.
@@ -122,14 +131,14 @@ def make_headers(
 
 
 def _pack_headers(
-    out: bytearray, pages: Iterable[tuple[str, str, PoolKind, Iterable[memoryview | bytes | bytearray]]]
+    out: bytearray, pages: Iterable[tuple[str, str, str, Iterable[memoryview | bytes | bytearray]]]
 ) -> None:
     pack_into = _HEAD.pack_into
     trailer_into = _HEADER_SUM.pack_into
     one_shot = xxhash.xxh3_64_intdigest
     streamed = xxhash.xxh3_64
     head_sum = xxhash.xxh32_intdigest
-    codes = _POOL_CODE
+    code = pool_code
     view = memoryview(out)
     at = 0
     for key, namespace, pool, payload in pages:
@@ -146,19 +155,19 @@ def _pack_headers(
                 n += p.nbytes if isinstance(p, memoryview) else memoryview(p).nbytes
             csum = h.intdigest()
         pack_into(
-            out, at, MAGIC, FORMAT_VERSION, codes[pool], 0, HEADER_SIZE, n, csum,
+            out, at, MAGIC, FORMAT_VERSION, code(pool), 0, HEADER_SIZE, n, csum,
             namespace_bytes(namespace), key_digest(key),
         )
         trailer_into(out, at + _HEAD.size, head_sum(view[at : at + _HEAD.size]))
         at += HEADER_SIZE
 
 
-def parse_header(raw: bytes | memoryview, key: str, namespace: str, pool: PoolKind) -> PageHeader:
+def parse_header(raw: bytes | memoryview, key: str, namespace: str, pool: str) -> PageHeader:
     """Validate a header against the expected key, namespace and pool; raise :class:`PageFormatError`."""
     raw = bytes(raw[:HEADER_SIZE])
     if len(raw) < HEADER_SIZE:
         raise PageFormatError(HeaderProblem.SHORT, f"{len(raw)} bytes")
-    magic, version, pool_code, _flags, hlen, plen, csum, ns, kd, hsum = _HEAD_FULL.unpack_from(raw)
+    magic, version, code, _flags, hlen, plen, csum, ns, kd, hsum = _HEAD_FULL.unpack_from(raw)
     if magic != MAGIC:
         raise PageFormatError(HeaderProblem.MAGIC)
     if version != FORMAT_VERSION or hlen != HEADER_SIZE:
@@ -167,7 +176,7 @@ def parse_header(raw: bytes | memoryview, key: str, namespace: str, pool: PoolKi
         raise PageFormatError(HeaderProblem.HEADER_CHECKSUM)
     if ns != namespace_bytes(namespace) or kd != key_digest(key):
         raise PageFormatError(HeaderProblem.FOREIGN)
-    if _CODE_POOL.get(pool_code) is not pool:
+    if code != pool_code(pool):
         raise PageFormatError(HeaderProblem.POOL)
     return PageHeader(pool, plen, csum, ns, kd)
 
@@ -176,15 +185,15 @@ _PREFIX = struct.Struct("<8sHBBIQ")  # magic .. payload length: the first 24 byt
 
 
 @functools.lru_cache(maxsize=256)
-def _prefix(pool: PoolKind, payload_len: int) -> bytes:
-    return _PREFIX.pack(MAGIC, FORMAT_VERSION, _POOL_CODE[pool], 0, HEADER_SIZE, payload_len)
+def _prefix(pool: str, payload_len: int) -> bytes:
+    return _PREFIX.pack(MAGIC, FORMAT_VERSION, pool_code(pool), 0, HEADER_SIZE, payload_len)
 
 
 _CSUM = struct.Struct("<Q")
 
 
 def check_page(
-    header: bytes | bytearray | memoryview, key: str, namespace: str, pool: PoolKind,
+    header: bytes | bytearray | memoryview, key: str, namespace: str, pool: str,
     payload: Sequence[memoryview | bytes | bytearray], payload_len: int,
 ) -> None:
     """:func:`parse_header` and :func:`verify_payload` in one pass, for the core's check of every

@@ -1,33 +1,45 @@
-"""Choosing each pool's I/O path from the backend's declared capabilities.
+"""A deployment's pools and their plans, from a :class:`Config` and a backend's declaration.
 
-The one function here, :func:`plan_paths`, is what the controller uses and what
-``hicache-draft check`` prints, so the two can never disagree. It never looks at a backend's name.
+:func:`pool_specs` turns the config into pool shapes (target, draft, and every ``[[pools]]``
+entry); :func:`plan_pools` plans each with :func:`hicache_draft.binding.plan_binding`, the rule the
+controller and the SGLang adapter use, so ``hicache-draft check`` and a running server can never
+disagree. Nothing here looks at a backend's name or needs torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from hicache_draft.capabilities import Attention, Capabilities, IOPath, PoolKind
-from hicache_draft.config import Config
+from hicache_draft.binding import BindingPlan, PathChoice, choose_path, plan_binding
+from hicache_draft.capabilities import Attention, Capabilities, IOPath, Layout, PoolKind
+from hicache_draft.config import Config, ExtraPoolConfig, Role
 from hicache_draft.pools import PoolSpec
 
-
-@dataclass(frozen=True)
-class PathChoice:
-    """The I/O path of one pool and the reason, in words a user can act on."""
-
-    path: IOPath
-    reason: str
-
-    def as_dict(self) -> dict[str, str]:
-        return {"path": self.path.value, "reason": self.reason}
+__all__ = ["PathChoice", "choose_path", "plan_paths", "plan_pools", "pool_specs"]
 
 
-def pool_specs(config: Config) -> dict[PoolKind, PoolSpec]:
-    """Host pool shapes for the target and (when enabled) the draft."""
+def _extra_spec(config: Config, pool: ExtraPoolConfig) -> PoolSpec:
+    role = pool.effective_role
+    comp = pool.effective_component
+    layout = pool.layout or config.target.layout
+    if layout is Layout.PAGE_HEAD and (not comp.has_attention or pool.attention is Attention.MLA):
+        layout = Layout.PAGE_FIRST_DIRECT
+    if comp.has_attention:
+        dtype = pool.kv_dtype or (config.draft_dtype if role is Role.DRAFT else config.namespace.kv_dtype)
+    else:
+        dtype = "uint8"
+    return PoolSpec(
+        kind=pool.name, attention=pool.attention if comp.has_attention else None, layers=pool.layers,
+        page_size=config.namespace.page_size, dtype=dtype, layout=layout, kv_heads=pool.kv_heads or 0,
+        head_dim=pool.head_dim or 0, latent_dim=pool.latent_dim or 0, rows=tuple(pool.row_bytes or ()),
+        role=role.kind, component=comp, hit_policy=pool.hit_policy, window_pages=pool.window_pages or 0,
+        sharded=pool.sharded,
+    )
+
+
+def pool_specs(config: Config) -> dict[str, PoolSpec]:
+    """Host pool shapes: the target's ``kv``, the draft's (when enabled), then the ``[[pools]]``
+    entries (draft-role ones only when the draft is enabled)."""
     ns, t = config.namespace, config.target
-    specs = {
+    specs: dict[str, PoolSpec] = {
         PoolKind.KV: PoolSpec(
             kind=PoolKind.KV, attention=t.attention, layers=t.layers, page_size=ns.page_size,
             dtype=ns.kv_dtype, layout=t.layout, kv_heads=t.kv_heads or 0, head_dim=t.head_dim or 0,
@@ -41,57 +53,39 @@ def pool_specs(config: Config) -> dict[PoolKind, PoolSpec]:
             dtype=config.draft_dtype, layout=config.draft_layout, kv_heads=d.kv_heads or 0,
             head_dim=d.head_dim or 0, latent_dim=d.latent_dim or 0,
         )
+    for pool in config.pools:
+        if pool.effective_role is Role.DRAFT and not d.enabled:
+            continue
+        specs[pool.name] = _extra_spec(config, pool)
     return specs
 
 
-def choose_path(caps: Capabilities, spec: PoolSpec, split: int) -> PathChoice:
-    """The path for one pool of shape ``spec`` with ``split`` head parts per page."""
-    pool = spec.kind.value
-    cap = caps.pools.get(spec.kind)
-    if cap is None:
-        return PathChoice(IOPath.DISABLED, f"the backend does not declare the {pool!r} pool")
-    note = f" (backend note: {cap.note})" if cap.note else ""
-    if spec.attention not in cap.attention:
-        return PathChoice(
-            IOPath.DISABLED,
-            f"the backend does not declare {spec.attention.value!r} attention for the {pool!r} pool{note}",
-        )
-    split = split if spec.attention is Attention.MHA else 1
-    if split > 1 and not caps.split_heads:
-        return PathChoice(
-            IOPath.DISABLED,
-            f"split heads are on (tp_lcm_size/tp_size = {split}) and the backend does not declare split_heads",
-        )
-    layout = spec.layout.value
-    nbuf = spec.buffers_per_page()
-    why_not: str
-    if spec.layout not in cap.zero_copy_layouts:
-        why_not = f"layout {layout!r} is not zero-copy for this backend"
-    elif not spec.zero_copy_parts(split):
-        why_not = f"layout {layout!r} does not keep a page's head groups contiguous (use 'page_head')"
-    elif cap.max_buffers_per_page is not None and nbuf > cap.max_buffers_per_page:
-        why_not = (
-            f"a {spec.attention.value} page in layout {layout!r} is {nbuf} buffers and the backend takes at most "
-            f"{cap.max_buffers_per_page} per page"
-        )
-    else:
-        parts = f", {split} head parts per page" if split > 1 else ""
-        buffers = f"{nbuf} buffer{'s' if nbuf > 1 else ''} per page"
-        return PathChoice(IOPath.ZERO_COPY, f"layout {layout!r} is zero-copy for this backend ({buffers}{parts})")
-    if cap.generic:
-        return PathChoice(IOPath.GENERIC, f"{why_not}; pages are copied through staging buffers{note}")
-    return PathChoice(IOPath.DISABLED, f"{why_not}, and the backend has no generic path for the {pool!r} pool{note}")
+def models(config: Config, spec: PoolSpec) -> tuple[str, str]:
+    """``(model, target_model)`` identities for a pool of this config."""
+    ns = config.namespace
+    model = str(ns.draft_model) if spec.role is PoolKind.DRAFT else ns.model
+    return model, ns.model
 
 
-def plan_paths(config: Config, caps: Capabilities) -> dict[PoolKind, PathChoice]:
-    """The path of every pool for this config and backend declaration."""
-    specs = pool_specs(config)
-    split = config.parallel.split_factor
-    plan = {PoolKind.KV: choose_path(caps, specs[PoolKind.KV], split)}
-    if PoolKind.DRAFT not in specs:
-        plan[PoolKind.DRAFT] = PathChoice(IOPath.DISABLED, "draft offload is off in the config (draft.enabled = false)")
-    elif plan[PoolKind.KV].path is IOPath.DISABLED:
-        plan[PoolKind.DRAFT] = PathChoice(IOPath.DISABLED, "the target 'kv' pool is disabled, so nothing is offloaded")
-    else:
-        plan[PoolKind.DRAFT] = choose_path(caps, specs[PoolKind.DRAFT], split)
-    return plan
+def plan_pools(config: Config, caps: Capabilities) -> dict[str, BindingPlan]:
+    """Every pool's plan on this rank (target first: every other pool needs it)."""
+    plans: dict[str, BindingPlan] = {}
+    kv_active = True
+    for name, spec in pool_specs(config).items():
+        model, target = models(config, spec)
+        plans[name] = plan_binding(spec, caps, config.parallel, model=model, target_model=target, kv_active=kv_active)
+        if name == PoolKind.KV:
+            kv_active = plans[name].path is not IOPath.DISABLED
+    return plans
+
+
+def plan_paths(config: Config, caps: Capabilities) -> dict[str, PathChoice]:
+    """The path of every pool for this config and backend declaration (the draft's is listed,
+    as disabled, when draft offload is off)."""
+    out = {name: plan.choice for name, plan in plan_pools(config, caps).items()}
+    if PoolKind.DRAFT not in out:
+        out[PoolKind.DRAFT] = PathChoice(IOPath.DISABLED, "draft offload is off in the config (draft.enabled = false)")
+    for pool in config.pools:
+        if pool.name not in out:
+            out[pool.name] = PathChoice(IOPath.DISABLED, "a draft pool, and draft offload is off (draft.enabled false)")
+    return out

@@ -35,7 +35,7 @@ import pluggy
 from pydantic import BaseModel, ValidationError
 
 from hicache_draft.backend import BackendContext, StorageBackend
-from hicache_draft.capabilities import Capabilities, PoolKind
+from hicache_draft.capabilities import Capabilities
 from hicache_draft.errors import BackendSetupError, ConfigError, PluginError
 from hicache_draft.page_format import HEADER_SIZE, PageFormatError, check_page, make_headers
 from hicache_draft.plugins import get_backend, new_plugin_manager
@@ -69,7 +69,7 @@ class CallReport:
     ``released``: completes when the backend no longer touches the call's buffers; already done
     unless the call was abandoned while still running."""
 
-    results: dict[PoolKind, list[PageResult]]
+    results: dict[str, list[PageResult]]
     outcome: str
     released: Future[Any]
 
@@ -169,7 +169,7 @@ class Store:
 
     def _done(
         self, hook: str, outcome: str, started: float, transfers: Sequence[PageTransfer],
-        results: Mapping[PoolKind, Sequence[PageResult]],
+        results: Mapping[str, Sequence[PageResult]],
     ) -> None:
         """Tell observers (``call_done``) how a call ended; their errors never reach the caller."""
         if not self._observed:
@@ -201,13 +201,13 @@ class Store:
 
     def _per_page(
         self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None
-    ) -> tuple[dict[PoolKind, list[PageResult]], Future[Any]]:
+    ) -> tuple[dict[str, list[PageResult]], Future[Any]]:
         rep = self.call(hook, transfers, timeout_s)
         return rep.results, rep.released
 
     def _per_page_call(
         self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None
-    ) -> tuple[str, dict[PoolKind, list[PageResult]], Future[Any]]:
+    ) -> tuple[str, dict[str, list[PageResult]], Future[Any]]:
         if not any(t.pages for t in transfers):
             return "ok", {t.pool: [] for t in transfers}, _DONE
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
@@ -230,7 +230,7 @@ class Store:
 
     def _results(
         self, hook: str, status: str, value: Any, transfers: Sequence[PageTransfer]  # noqa: ANN401
-    ) -> dict[PoolKind, list[PageResult]] | None:
+    ) -> dict[str, list[PageResult]] | None:
         """The backend's answer as per-page results, or None (logged once) when the call timed out,
         raised or answered something that is not a mapping of pool to results."""
         if status == "timeout":
@@ -248,13 +248,13 @@ class Store:
                 "pages counted as failed", self.name, hook, type(value).__name__,
             )
             return None
-        out: dict[PoolKind, list[PageResult]] = {}
+        out: dict[str, list[PageResult]] = {}
         for t in transfers:
             got = value.get(t.pool)
             if not isinstance(got, Sequence) or isinstance(got, (str, bytes)) or len(got) != len(t.pages):
                 self._log_once(
                     f"{hook}:shape", "backend %r: %s returned no or wrong-length results for pool %s",
-                    self.name, hook, t.pool.value,
+                    self.name, hook, t.pool,
                 )
                 out[t.pool] = [PageResult.FAILED] * len(t.pages)
                 continue
@@ -268,7 +268,7 @@ class Store:
                     self._verify_pool = ThreadPoolExecutor(_VERIFY_WORKERS, thread_name_prefix="hicache-draft-verify")
         return self._verify_pool
 
-    def _check(self, todo: Sequence[tuple[PoolKind, int, Page]]) -> list[tuple[PoolKind, int, Page, PageFormatError]]:
+    def _check(self, todo: Sequence[tuple[str, int, Page]]) -> list[tuple[str, int, Page, PageFormatError]]:
         """Verify pages now, spread over the verifier threads when there are many bytes."""
         total = sum(p.nbytes for _, _, p in todo)
         workers = min(_VERIFY_WORKERS, max(1, total // _VERIFY_CHUNK_BYTES))
@@ -278,9 +278,9 @@ class Store:
         return [p for f in [pool.submit(_problems, todo[w::workers]) for w in range(workers)] for p in f.result()]
 
     def _mark(
-        self, problems: Iterable[tuple[PoolKind, int, Page, PageFormatError]], out: dict[PoolKind, list[PageResult]]
+        self, problems: Iterable[tuple[str, int, Page, PageFormatError]], out: dict[str, list[PageResult]]
     ) -> None:
-        rejected: dict[PoolKind, list[str]] = {}
+        rejected: dict[str, list[str]] = {}
         for pool, i, page, exc in problems:
             out[pool][i] = PageResult.CORRUPT
             rejected.setdefault(pool, []).append(page.key)
@@ -288,7 +288,7 @@ class Store:
                 self.corrupt_pages += 1
             self._log_once(
                 f"verify:{exc.problem.value}", "backend %r returned page %s of pool %s that fails verification "
-                "(%s); counted as corrupt, never data", self.name, page.key, pool.value, exc,
+                "(%s); counted as corrupt, never data", self.name, page.key, pool, exc,
             )
         if rejected and self._hears_rejections:
             started = self._start("page_rejected", {"rejected": rejected})  # off the caller's thread, unawaited
@@ -309,28 +309,28 @@ class Store:
         if status == "timeout":
             raise BackendSetupError(f"backend {self.name!r}: register_pool timed out after {self.timeout_s}s")
         if status == "error":
-            raise BackendSetupError(f"backend {self.name!r} refused pool {registration.pool.value!r}: {value}")
+            raise BackendSetupError(f"backend {self.name!r} refused pool {str(registration.pool)!r}: {value}")
 
     def has_hook(self, hook: str) -> bool:
         """Whether the backend (or an observer) implements ``hook``."""
         return bool(getattr(self.pm.hook, hook).get_hookimpls())
 
-    def host_memory(self, pool: PoolKind, nbytes: int) -> Buffer | None:
+    def host_memory(self, pool: str, nbytes: int) -> Buffer | None:
         """Memory the backend offers for a host pool, or None (bounded; a failure is an error)."""
         deadline = time.monotonic() + self.timeout_s
         status, value, _ = self._call("host_memory", {"pool": pool, "nbytes": nbytes}, deadline)
         if status != "ok":
             raise BackendSetupError(
-                f"backend {self.name!r} could not provide host memory for the {pool.value!r} pool: "
+                f"backend {self.name!r} could not provide host memory for the {str(pool)!r} pool: "
                 f"{'timed out' if status == 'timeout' else value}"
             )
         if value is not None and (not isinstance(value, Buffer) or value.nbytes < nbytes):
-            raise BackendSetupError(f"backend {self.name!r} returned unusable host memory for {pool.value!r}")
+            raise BackendSetupError(f"backend {self.name!r} returned unusable host memory for {str(pool)!r}")
         return value
 
     def page_set(
         self, transfers: Sequence[PageTransfer], timeout_s: float | None = None
-    ) -> dict[PoolKind, list[PageResult]]:
+    ) -> dict[str, list[PageResult]]:
         """Store pages; per-page results, never raises. See :meth:`page_set_tracked` when the
         buffers are pool memory that will be reused."""
         results, _ = self._per_page("page_set", transfers, timeout_s)
@@ -338,7 +338,7 @@ class Store:
 
     def page_set_tracked(
         self, transfers: Sequence[PageTransfer], timeout_s: float | None = None
-    ) -> tuple[dict[PoolKind, list[PageResult]], Future[Any]]:
+    ) -> tuple[dict[str, list[PageResult]], Future[Any]]:
         """Like :meth:`page_set`, plus a future that completes when the backend no longer reads
         the buffers (already done unless the call timed out): zero-copy pages must not be
         overwritten before it completes, or a late write could store other bytes under the key."""
@@ -346,14 +346,14 @@ class Store:
 
     def page_get(
         self, transfers: Sequence[PageTransfer], timeout_s: float | None = None
-    ) -> tuple[dict[PoolKind, list[PageResult]], Future[Any]]:
+    ) -> tuple[dict[str, list[PageResult]], Future[Any]]:
         """Load pages; per-page results and a future that completes when the backend no
         longer touches the buffers (already done unless the call timed out)."""
         return self._per_page("page_get", transfers, timeout_s)
 
     def page_exists(
-        self, queries: Mapping[PoolKind, Sequence[str]], timeout_s: float | None = None
-    ) -> dict[PoolKind, int]:
+        self, queries: Mapping[str, Sequence[str]], timeout_s: float | None = None
+    ) -> dict[str, int]:
         """Leading stored pages per pool; 0 for a pool on error or timeout."""
         zero = {p: 0 for p in queries}
         if not any(queries.values()):
@@ -367,8 +367,8 @@ class Store:
         return counts
 
     def _exists(
-        self, queries: Mapping[PoolKind, Sequence[str]], timeout_s: float | None
-    ) -> tuple[str, dict[PoolKind, int]]:
+        self, queries: Mapping[str, Sequence[str]], timeout_s: float | None
+    ) -> tuple[str, dict[str, int]]:
         zero = {p: 0 for p in queries}
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         status, value, _ = self._call("page_exists", {"queries": dict(queries), "deadline": deadline}, deadline)
@@ -379,7 +379,7 @@ class Store:
                 f"failed: {value}" if status == "error" else f"returned {type(value).__name__}, not a mapping",
             )
             return (status if status != "ok" else "error"), zero
-        out: dict[PoolKind, int] = {}
+        out: dict[str, int] = {}
         for pool, keys in queries.items():
             n = value.get(pool, 0)
             out[pool] = max(0, min(int(n), len(keys))) if isinstance(n, int) and not isinstance(n, bool) else 0
@@ -462,11 +462,11 @@ class _EarlyVerifier:
     def __init__(self, store: Store, transfers: Sequence[PageTransfer]) -> None:
         self.store = store
         self.pages = {t.pool: t.pages for t in transfers}
-        self.started: dict[tuple[PoolKind, int], Future[list[Any]]] = {}
+        self.started: dict[tuple[str, int], Future[list[Any]]] = {}
         self.lock = threading.Lock()
         self.open = True
 
-    def finished(self, pool: PoolKind, indices: Iterable[int]) -> None:
+    def finished(self, pool: str, indices: Iterable[int]) -> None:
         """Pages ``indices`` of ``pool``'s transfer hold their final header and bytes: the core
         checks them now, in the calling thread, while their bytes are still in its CPU cache (a
         backend that reads with several threads verifies with all of them)."""
@@ -496,13 +496,13 @@ class _EarlyVerifier:
         with self.lock:
             self.open = False
 
-    def settle(self, out: dict[PoolKind, list[PageResult]]) -> None:
+    def settle(self, out: dict[str, list[PageResult]]) -> None:
         """Verify what was not verified early and mark every failure ``CORRUPT`` in ``out``."""
         with self.lock:
             self.open = False
             started = dict(self.started)
-        later: list[tuple[PoolKind, int, Page]] = []
-        problems_early: list[tuple[PoolKind, int, Page, PageFormatError]] = []
+        later: list[tuple[str, int, Page]] = []
+        problems_early: list[tuple[str, int, Page, PageFormatError]] = []
         early: dict[int, Future[list[Any]]] = {}
         for pool, pages in self.pages.items():
             for i, page in enumerate(pages):
@@ -524,7 +524,7 @@ class _EarlyVerifier:
         self.store._mark([*problems_early, *(self.store._check(later) if later else [])], out)
 
 
-def _problems(todo: Sequence[tuple[PoolKind, int, Page]]) -> list[tuple[PoolKind, int, Page, PageFormatError]]:
+def _problems(todo: Sequence[tuple[str, int, Page]]) -> list[tuple[str, int, Page, PageFormatError]]:
     bad = []
     for pool, i, page in todo:
         try:

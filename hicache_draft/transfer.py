@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from hicache_draft.capabilities import Attention, Layout, PoolKind
+from hicache_draft.capabilities import Attention, Component, Layout, PoolKind
 
 
 @functools.lru_cache(maxsize=512)
@@ -83,10 +83,11 @@ class Page:
 
 @dataclass(frozen=True, slots=True)
 class PageTransfer:
-    """The pages of one pool in one batched call. ``zero_copy`` tells whether the buffers are
-    the registered pool's own memory (True) or controller staging memory (False)."""
+    """The pages of one pool in one batched call. ``pool`` is the pool's name (``"kv"``,
+    ``"draft"``, ``"indexer"``, ...: the name it was registered under). ``zero_copy`` tells whether
+    the buffers are the registered pool's own memory (True) or controller staging memory (False)."""
 
-    pool: PoolKind
+    pool: str
     pages: Sequence[Page]
     zero_copy: bool = False
 
@@ -98,16 +99,24 @@ class PoolRegistration:
     ``regions``: the pool's whole memory (register it with an RDMA / shared-memory engine here).
     ``staging``: the controller's staging memory used on the generic path (register it too).
     ``page_nbytes`` and ``buffers_per_page`` describe one page as the backend will receive it.
+    ``pool`` is the pool's name; ``role`` (target ``kv`` or ``draft``) and ``component`` say what it
+    is; ``attention`` is None for row pools (``indexer``, ``state``).
     """
 
-    pool: PoolKind
-    attention: Attention
+    pool: str
+    attention: Attention | None
     layout: Layout
     namespace: str
     page_nbytes: int
     buffers_per_page: int
     regions: tuple[Buffer, ...]
     staging: tuple[Buffer, ...] = ()
+    role: PoolKind | None = None
+    component: Component = Component.KV
+
+    def __post_init__(self) -> None:
+        if self.role is None:  # the classic pools: "draft" is the draft's, "kv" the target's
+            object.__setattr__(self, "role", PoolKind.DRAFT if self.pool == PoolKind.DRAFT else PoolKind.KV)
 
 
 class PageResult(IntEnum):

@@ -52,7 +52,7 @@ PATH_ROWS = [
     ("draft-attention-undeclared", caps(draft=PoolCapability(attention=frozenset({Attention.MLA}))),
      {"draft": "mha"}, IOPath.ZERO_COPY, IOPath.DISABLED, "does not declare 'mha' attention"),
     ("split-heads-undeclared", caps(split=False), {"layout": "page_head", "tp_size": 2, "tp_lcm_size": 4},
-     IOPath.DISABLED, IOPath.DISABLED, "target 'kv' pool is disabled"),
+     IOPath.ZERO_COPY, IOPath.ZERO_COPY, "does not declare split_heads: per-rank keys"),
     ("layout-not-zero-copy-generic", caps(draft=PoolCapability(attention=BOTH)), {}, IOPath.ZERO_COPY,
      IOPath.GENERIC, "not zero-copy for this backend; pages are copied"),
     ("layout-not-zero-copy-no-generic",

@@ -15,7 +15,7 @@ import zlib
 
 import pytest
 
-from hicache_draft import IOPath, PageResult, PageTransfer, PoolKind, page_hashes
+from hicache_draft import PageResult, PoolKind, page_hashes
 from hicache_draft.cli import check_report
 from hicache_draft.controller import CacheController
 from tests.helpers import PS, fill_random, make_config, slots, tokens
@@ -67,9 +67,8 @@ def test_restart_restores_both_pools_byte_exact(backend, target, draft, layout):
 def _write_one_pool(ctrl: CacheController, pool: PoolKind, toks: list[int], pages: range) -> None:
     """Store only ``pool``'s pages (as if the other pool's write had failed), with the controller's keys."""
     hashes = page_hashes(toks, PS)
-    state = ctrl._pools[pool]
-    built, _ = ctrl._pages(state, [hashes[i] for i in pages], slots(pages), fill=True)
-    res = ctrl.store.page_set([PageTransfer(pool, built, state.choice.path is IOPath.ZERO_COPY)])
+    batch = ctrl.bindings[pool].slot_batch([hashes[i] for i in pages], slots(pages), fill=True)
+    res = ctrl.store.page_set([batch.transfer])
     assert res[pool] == [PageResult.OK] * len(pages)
 
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hicache_draft import Attention, Config, IOPath, Layout, PoolKind, Store
 from hicache_draft.cli import main
 from hicache_draft.controller import CacheController
-from hicache_draft.paths import plan_paths, pool_specs
+from hicache_draft.paths import plan_paths, plan_pools, pool_specs
 from hicache_draft.testing import MemoryBackend
 
 KV, DRAFT = PoolKind.KV, PoolKind.DRAFT
@@ -128,10 +128,13 @@ def test_mla_draft_paths(draft_layout, layers, expected):
     assert got[DRAFT][0] is expected, got[DRAFT]
 
 
-def test_split_heads_disable_mha_pools_but_not_mla_ones():
+def test_split_heads_are_not_made_on_3fs_and_the_reason_says_so():
+    """3FS does not declare split_heads: an MHA pool keeps per-rank keys (the one split-heads policy)."""
     mha = plan(target="mha", draft="mla", tp_size=2, tp_lcm_size=4, layout="page_head")
-    assert mha[KV][0] is OFF and "does not declare split_heads" in mha[KV][1]
-    assert mha[DRAFT] == (OFF, "the target 'kv' pool is disabled, so nothing is offloaded")
+    assert mha[KV][0] is not OFF and "does not declare split_heads: per-rank keys" in mha[KV][1]
+    assert mha[DRAFT][0] is not OFF
+    cfg = Config.model_validate(config_dict("mha", "mla", "page_head", None, 2, 4, 1))
+    assert plan_pools(cfg, HF3FS_CAPABILITIES)[KV].split == 1
     mla = plan(target="mla", draft="mla", tp_size=2, tp_lcm_size=4)
     assert (mla[KV][0], mla[DRAFT][0]) == (ZC, ZC)
 
@@ -156,6 +159,7 @@ def configs(draw: st.DrawFn) -> dict[str, Any]:
 def test_no_plan_ever_asks_3fs_for_what_it_cannot_hold(data):
     cfg = Config.model_validate(data)
     got = plan_paths(cfg, HF3FS_CAPABILITIES)
+    plans = plan_pools(cfg, HF3FS_CAPABILITIES)
     specs = pool_specs(cfg)
     for kind, choice in got.items():
         if choice.path is OFF:
@@ -166,7 +170,7 @@ def test_no_plan_ever_asks_3fs_for_what_it_cannot_hold(data):
         assert spec.attention in cap.attention
         assert kind is KV or spec.attention is Attention.MLA  # never an MHA draft
         if spec.attention is Attention.MHA:
-            assert cfg.parallel.split_factor == 1  # no split heads on 3FS
+            assert plans[kind].split == 1  # no split heads on 3FS
         if choice.path is ZC:
             assert spec.layout in {Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT}
             assert spec.buffers_per_page() <= (2 if kind is KV else 1)

@@ -67,7 +67,7 @@ def test_exporter_from_the_config_is_scraped_after_a_round_trip(tmp_path):
         assert ctrl.backup(toks[: 6 * 4], slots(range(6))).pages_written == {PoolKind.KV: 6, PoolKind.DRAFT: 6}
         res = ctrl.prefetch(toks, slots(range(8, 16)))
         assert res.restored == {"kv": 6, "draft": 6}
-        nbytes = {p.value: ctrl._pools[p].part_nbytes for p in PoolKind}  # noqa: SLF001
+        nbytes = {p.value: ctrl.bindings[p].part_nbytes for p in PoolKind}
     exporter = next(e for e in running() if e.registry is REGISTRY and e.addr == "127.0.0.1")
     assert exporter.port > 0 and exporter.url.startswith("http://127.0.0.1:")
     got = _samples(exporter.url)

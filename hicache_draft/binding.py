@@ -1,0 +1,504 @@
+"""One pool on one rank, bound to a store: the one place for every pool rule.
+
+The controller, the SGLang adapter, the conformance kit and ``hicache-draft check`` all go through
+this module, so they cannot disagree:
+
+* :func:`plan_binding` decides, from the pool's spec, the backend's declared capabilities and the
+  rank's place, the **split factor** (one split-heads policy), the **key namespaces** (one per head
+  part), the **writer election** and the **I/O path** (zero-copy, generic or disabled, with the
+  reason in words a user can act on). It never looks at a backend's name, and needs no torch.
+* :class:`PoolBinding` holds one planned pool with its host memory: its **registration**, its
+  **keys**, **page building** for host slots or flat pages (zero-copy buffers, or staging copies
+  on the generic path), the copy back of staged pages that came back, and the per-page result
+  rule (a page is OK only if every head part is).
+* :func:`usable_hit` is the **hit rule** over any number of pools.
+
+Split heads (``tp_lcm_size > tp_size``; SGLang's ``should_split_heads``): an MHA pool whose heads
+divide by ``split = tp_lcm_size / tp_size`` stores each head group under its own key, so servers
+with different ``tp_size`` and one ``tp_lcm_size`` share pages. That needs a backend declaring
+``split_heads``; without it the pool is not split (per-rank keys: pages are shared only with
+servers of the same ``tp_size``) and the reason says so. A split pool is zero-copy only in layout
+``page_head`` (where a head group of a page is contiguous), and goes through staging otherwise.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hicache_draft.capabilities import Attention, Capabilities, HitPolicy, IOPath, PoolKind
+from hicache_draft.config import ParallelConfig
+from hicache_draft.errors import BackendSetupError
+from hicache_draft.keys import make_key, pool_identities
+from hicache_draft.pools import HostPool, PoolSpec, import_torch
+from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
+
+if TYPE_CHECKING:
+    import torch
+
+    from hicache_draft.store import Store
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """The I/O path of one pool and the reason, in words a user can act on."""
+
+    path: IOPath
+    reason: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"path": self.path.value, "reason": self.reason}
+
+
+def _label(spec: PoolSpec) -> str:
+    return f"the {str(spec.kind)!r} pool"
+
+
+def choose_path(caps: Capabilities, spec: PoolSpec, split: int) -> PathChoice:
+    """The path for one pool of shape ``spec`` with ``split`` head parts per page."""
+    pool = str(spec.kind)
+    role = spec.role.value
+    cap = caps.pools.get(spec.role)
+    if cap is None:
+        what = f"the {pool!r} pool" if pool == role else f"{role!r} pools (so not {_label(spec)})"
+        return PathChoice(IOPath.DISABLED, f"the backend does not declare {what}")
+    note = f" (backend note: {cap.note})" if cap.note else ""
+    if spec.component not in cap.components:
+        return PathChoice(
+            IOPath.DISABLED,
+            f"the backend does not declare the {spec.component.value!r} component for {role!r} pools, "
+            f"so not {_label(spec)}{note}",
+        )
+    if spec.attention is not None and spec.attention not in cap.attention:
+        return PathChoice(
+            IOPath.DISABLED,
+            f"the backend does not declare {spec.attention.value!r} attention for {_label(spec)}{note}",
+        )
+    layout = spec.layout.value
+    nbuf = spec.buffers_per_page()
+    why_not: str
+    if spec.layout not in cap.zero_copy_layouts:
+        why_not = f"layout {layout!r} is not zero-copy for this backend"
+    elif not spec.zero_copy_parts(split):
+        why_not = f"layout {layout!r} does not keep a page's head groups contiguous (use 'page_head')"
+    elif cap.max_buffers_per_page is not None and nbuf > cap.max_buffers_per_page:
+        shape = spec.attention.value if spec.attention is not None else spec.component.value
+        why_not = (
+            f"a {shape} page in layout {layout!r} is {nbuf} buffers and the backend takes at most "
+            f"{cap.max_buffers_per_page} per page"
+        )
+    else:
+        parts = f", {split} head parts per page" if split > 1 else ""
+        buffers = f"{nbuf} buffer{'s' if nbuf > 1 else ''} per page"
+        return PathChoice(IOPath.ZERO_COPY, f"layout {layout!r} is zero-copy for this backend ({buffers}{parts})")
+    if cap.generic:
+        return PathChoice(IOPath.GENERIC, f"{why_not}; pages are copied through staging buffers{note}")
+    return PathChoice(IOPath.DISABLED, f"{why_not}, and the backend has no generic path for {_label(spec)}{note}")
+
+
+def split_heads(spec: PoolSpec, parallel: ParallelConfig, caps: Capabilities) -> tuple[int, str]:
+    """Head parts per page for this pool on this rank, and a note when a requested split is not
+    made (the one split-heads policy; see the module docs)."""
+    want = parallel.split_factor
+    if want == 1 or spec.attention is not Attention.MHA:
+        return 1, ""
+    if spec.kv_heads % want:
+        return 1, f"kv_heads {spec.kv_heads} does not divide by the split factor {want}: head groups not split"
+    if not caps.split_heads:
+        return 1, (
+            f"split heads requested (tp_lcm_size/tp_size = {want}) but the backend does not declare split_heads: "
+            "per-rank keys, pages shared only with servers of the same tp_size"
+        )
+    return want, ""
+
+
+@dataclass(frozen=True)
+class BindingPlan:
+    """What :func:`plan_binding` decided for one pool on one rank."""
+
+    spec: PoolSpec
+    path: IOPath
+    reason: str
+    split: int
+    namespaces: tuple[str, ...]
+    writer: bool
+
+    @property
+    def choice(self) -> PathChoice:
+        return PathChoice(self.path, self.reason)
+
+    def as_dict(self) -> dict[str, object]:
+        s = self.spec
+        return {
+            "path": self.path.value, "reason": self.reason, "role": s.role.value, "component": s.component.value,
+            "hit_policy": s.hit_policy.value, "split": self.split, "writer": self.writer,
+        }
+
+
+def plan_binding(
+    spec: PoolSpec,
+    caps: Capabilities,
+    parallel: ParallelConfig,
+    *,
+    model: str,
+    target_model: str,
+    has_memory: bool = True,
+    kv_active: bool = True,
+) -> BindingPlan:
+    """Plan one pool on this rank (the single path, split and writer rule).
+
+    ``model``: the identity of the weights whose cache this is (the draft's for draft-role pools);
+    ``target_model``: the target's (part of every draft-role key). ``has_memory``: False when the
+    pool has no registered host memory (SGLang's flat data pages): a zero-copy choice becomes the
+    generic path. ``kv_active``: whether the target ``kv`` pool is offloaded; every other pool
+    needs it."""
+    split, split_note = split_heads(spec, parallel, caps)
+    choice = choose_path(caps, spec, split)
+    if choice.path is IOPath.ZERO_COPY and not has_memory:
+        cap = caps.pools[spec.role]
+        choice = (
+            PathChoice(IOPath.GENERIC, "flat pages (no registered host pool memory); copied through staging")
+            if cap.generic else
+            PathChoice(IOPath.DISABLED, "flat pages need a generic path, and the backend has none")
+        )
+    if spec.kind != PoolKind.KV and not kv_active and choice.path is not IOPath.DISABLED:
+        choice = PathChoice(IOPath.DISABLED, "the target 'kv' pool is disabled, so nothing is offloaded")
+    reason = choice.reason + (f"; {split_note}" if split_note and choice.path is not IOPath.DISABLED else "")
+    idents = pool_identities(
+        pool=spec.kind, model=model, dtype=spec.dtype, attention=spec.attention, page_size=spec.page_size,
+        layers=spec.layers, layout=spec.layout, kv_heads=spec.kv_heads or None, head_dim=spec.head_dim or None,
+        latent_dim=spec.latent_dim or None, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size,
+        pp_rank=parallel.pp_rank, pp_size=parallel.pp_size,
+        tp_lcm_size=parallel.tp_size * split if split > 1 else None, target_model=target_model, role=spec.role,
+        component=spec.component, rows=spec.rows, sharded=spec.sharded,
+    )
+    writer = bool(spec.sharded) or parallel.tp_rank == 0
+    return BindingPlan(spec, choice.path, reason, split, tuple(i.fingerprint() for i in idents), writer)
+
+
+STAGING_BYTES = 256 << 20
+"""The default staging area of one pool: up to this many bytes (16 to 128 pages)."""
+
+
+def staging_pages(page_nbytes: int, setting: int | None, batch: int = 128) -> int:
+    """Pages of one staging area: ``setting``, or as many of a ``batch`` as fit :data:`STAGING_BYTES`
+    (at least 16), so a generic call is one backend call."""
+    if setting is not None:
+        return setting
+    return max(1, min(batch, max(16, STAGING_BYTES // max(1, page_nbytes))))
+
+
+class Staging:
+    """Long-lived host memory for the generic path of one pool: ``pages`` pages, one call at a time
+    (hold :attr:`lock`). It is registered with the backend with the pool. If a call that used it
+    times out (the backend may still touch it), :meth:`replace` gives fresh, unregistered memory."""
+
+    def __init__(self, page_nbytes: int, pages: int) -> None:
+        self.page_nbytes = page_nbytes
+        self.pages = pages
+        self.lock = threading.Lock()
+        self.tensor = import_torch().zeros(pages * page_nbytes, dtype=import_torch().uint8)
+        self._parts: dict[int, list[tuple[tuple[Buffer], torch.Tensor]]] = {}
+
+    def region(self) -> Buffer:
+        return Buffer(self.tensor.data_ptr(), self.tensor.numel(), owner=self.tensor)
+
+    def parts(self, nbytes: int) -> list[tuple[tuple[Buffer], torch.Tensor]]:
+        """The area cut into ``nbytes`` pieces, in order: each one's buffer (as a page's buffer
+        tuple) and tensor; made once per size and memory."""
+        got = self._parts.get(nbytes)
+        if got is None:
+            t = self.tensor
+            got = [((Buffer(t.data_ptr() + at, nbytes, owner=t),), t[at : at + nbytes])
+                   for at in range(0, t.numel() - nbytes + 1, nbytes)]
+            self._parts[nbytes] = got
+        return got
+
+    def replace(self) -> None:
+        """Abandon the current memory to a call that may still use it (its Buffers keep it alive)."""
+        self.tensor = import_torch().zeros(self.pages * self.page_nbytes, dtype=import_torch().uint8)
+        self._parts = {}
+
+
+@dataclass
+class Batch:
+    """The pages of one pool in one call, and what is needed to finish a read.
+
+    ``staged[i]`` is the staging row of page part ``i`` (page-major), empty on the zero-copy path;
+    ``slots`` / ``flats`` are the pages' destinations."""
+
+    binding: PoolBinding
+    transfer: PageTransfer
+    staged: list[torch.Tensor] = field(default_factory=list)
+    slots: list[int] | None = None
+    flats: Sequence[torch.Tensor] | None = None
+
+    @property
+    def zero_copy_slots(self) -> list[int]:
+        """Host slots the backend is handed directly (it may still touch them after a timeout)."""
+        return list(self.slots or []) if self.transfer.zero_copy else []
+
+
+class PoolBinding:
+    """One planned pool on this rank with its host memory: registration, keys, pages, results.
+
+    ``host`` is None for a pool known only by shape (SGLang's flat data pages). ``staging`` is a
+    long-lived :class:`Staging` (the caller holds its lock around a call); without one, the
+    generic path copies through fresh memory per call."""
+
+    def __init__(self, plan: BindingPlan, host: HostPool | None, staging: Staging | None = None) -> None:
+        if host is not None and host.spec != plan.spec:
+            raise ValueError(f"host pool of {str(plan.spec.kind)!r} does not match the planned shape")
+        self.plan = plan
+        self.spec = plan.spec
+        self.host = host
+        self.path = plan.path
+        self.reason = plan.reason
+        self.split = plan.split
+        self.namespaces = plan.namespaces
+        self.writer = plan.writer
+        self.staging = staging
+        # make_key(group, ns) is the group followed by a suffix of ns alone
+        self._suffixes = tuple(make_key("", ns) for ns in self.namespaces)
+        assert all(make_key("0a", ns) == "0a" + s for ns, s in zip(self.namespaces, self._suffixes, strict=True))
+
+    # -- what it is ---------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.spec.kind
+
+    @property
+    def active(self) -> bool:
+        return self.path is not IOPath.DISABLED
+
+    @property
+    def zero_copy(self) -> bool:
+        return self.path is IOPath.ZERO_COPY and self.host is not None
+
+    @property
+    def part_nbytes(self) -> int:
+        return self.spec.page_nbytes // self.split
+
+    @property
+    def choice(self) -> PathChoice:
+        return PathChoice(self.path, self.reason)
+
+    def disable(self, reason: str) -> None:
+        self.path, self.reason = IOPath.DISABLED, reason
+
+    def keys(self, groups: Sequence[str]) -> list[str]:
+        """``make_key(group, namespace)`` of every page and head part, page-major."""
+        if len(self._suffixes) == 1:
+            suf = self._suffixes[0]
+            return [g + suf for g in groups]
+        return [g + suf for g in groups for suf in self._suffixes]
+
+    # -- registration -------------------------------------------------------------------------------
+    def registration(self) -> PoolRegistration:
+        s = self.spec
+        return PoolRegistration(
+            pool=s.kind, attention=s.attention, layout=s.layout, namespace=self.namespaces[0],
+            page_nbytes=self.part_nbytes, buffers_per_page=s.buffers_per_page() if self.zero_copy else 1,
+            regions=self.host.regions() if (self.zero_copy and self.host is not None) else (),
+            staging=(self.staging.region(),) if self.staging is not None else (), role=s.role, component=s.component,
+        )
+
+    def register(self, store: Store) -> bool:
+        """Announce the pool to the backend (if active); a refusal disables it with the reason."""
+        if not self.active:
+            return False
+        try:
+            store.register_pool(self.registration())
+        except BackendSetupError as exc:
+            self.disable(f"the backend refused the pool: {exc}")
+            return False
+        return True
+
+    # -- pages --------------------------------------------------------------------------------------
+    def _page(self, keys: list[str], groups: Sequence[str], bufs: Sequence[tuple[Buffer, ...]]) -> list[Page]:
+        split = self.split
+        if split == 1:
+            ns = self.namespaces[0]
+            return [Page(k, g, ns, b) for k, g, b in zip(keys, groups, bufs, strict=True)]
+        gs = [g for g in groups for _ in range(split)]
+        return [Page(k, g, ns, b) for k, g, ns, b in zip(keys, gs, self.namespaces * len(groups), bufs, strict=True)]
+
+    def _rows(self, n: int) -> tuple[list[torch.Tensor], list[tuple[Buffer, ...]]]:
+        """``n`` staging rows (one per page part) and their buffers."""
+        if self.staging is not None:
+            parts = self.staging.parts(self.part_nbytes)
+            if n > len(parts):
+                raise ValueError(f"{n} page parts do not fit the {len(parts)}-part staging area of {self.name!r}")
+            return [t for _, t in parts[:n]], [b for b, _ in parts[:n]]
+        torch = import_torch()
+        stage = torch.empty((n, self.part_nbytes), dtype=torch.uint8)
+        rows = list(stage.unbind(0)) if n else []
+        return rows, [(Buffer(r.data_ptr(), r.numel(), owner=stage),) for r in rows]
+
+    @property
+    def chunk_pages(self) -> int | None:
+        """The most pages one generic call can take (the staging area's size), or None."""
+        return None if self.staging is None else max(1, self.staging.pages)
+
+    def slot_batch(self, groups: Sequence[str], slots: Sequence[int], *, fill: bool,
+                   keys: Sequence[str] | None = None) -> Batch:
+        """Pages for ``groups`` at host ``slots`` (first slot of each page). ``fill``: copy the pool's
+        bytes into staging (a write). ``keys``: the pages' keys when the caller has them."""
+        assert self.host is not None, f"pool {self.name!r} has no host memory"
+        slots = list(slots)
+        keys = list(keys) if keys is not None else self.keys(groups)
+        if self.zero_copy:
+            index = self.host.slot_buffers(self.split)
+            index.check(slots)
+            bufs = index.buffers(slots)
+            pages = self._page(keys, groups, bufs)
+            return Batch(self, PageTransfer(self.name, pages, True), slots=slots)
+        for s in slots:
+            self.host.page_index(s)
+        rows, bufs = self._rows(len(slots) * self.split)
+        if fill:
+            for n, row in enumerate(rows):
+                self.host.copy_page_out(slots[n // self.split], row, n % self.split, self.split)
+        return Batch(self, PageTransfer(self.name, self._page(keys, groups, bufs), False), staged=rows, slots=slots)
+
+    def flat_batch(self, groups: Sequence[str], flats: Sequence[torch.Tensor], *, fill: bool,
+                   keys: Sequence[str] | None = None) -> Batch:
+        """Pages for flat data pages (one tensor per page, SGLang's ``get_data_page(i, flat=True)``
+        order), always through staging. ``fill``: copy the flats into staging (a write)."""
+        for f in flats:
+            if f.numel() * f.element_size() != self.spec.page_nbytes:
+                raise ValueError(f"flat {self.name} page of {f.numel() * f.element_size()} bytes, "
+                                 f"expected {self.spec.page_nbytes}")
+        keys = list(keys) if keys is not None else self.keys(groups)
+        rows, bufs = self._rows(len(flats) * self.split)
+        if fill:
+            raw = self._raw(flats)
+            if raw is not None and self.staging is not None and rows:
+                torch = import_torch()
+                torch.cat(raw, out=self.staging.tensor[: len(rows) * self.part_nbytes])
+            else:
+                for n, row in enumerate(rows):
+                    self._one_page(flats[n // self.split]).copy_page_out(0, row, n % self.split, self.split)
+        return Batch(self, PageTransfer(self.name, self._page(keys, groups, bufs), False), staged=rows, flats=flats)
+
+    def _raw(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """One part per page and plain CPU tensors: a flat page's bytes are its stored bytes."""
+        if self.split != 1 or not all(f.is_contiguous() and f.device.type == "cpu" for f in flats):
+            return None
+        torch = import_torch()
+        return [f.view(-1).view(torch.uint8) for f in flats]
+
+    def _one_page(self, flat: torch.Tensor) -> HostPool:
+        torch = import_torch()
+        raw = flat.contiguous().view(-1).view(torch.uint8)
+        if self.spec.attention is not None:
+            raw = raw.view(self.spec.torch_dtype)
+        return HostPool.wrap(self.spec, raw)
+
+    # -- results ------------------------------------------------------------------------------------
+    def page_oks(self, results: Sequence[PageResult]) -> list[bool]:
+        """Per page: every head part came back OK (a short answer is a failure)."""
+        ok = PageResult.OK
+        n = len(results) // self.split
+        if self.split == 1:
+            return [r is ok for r in results]
+        return [all(r is ok for r in results[i * self.split : (i + 1) * self.split]) for i in range(n)]
+
+    def prefix(self, results: Sequence[PageResult]) -> int:
+        """Leading pages whose every part is OK."""
+        n = 0
+        for good in self.page_oks(results):
+            if not good:
+                break
+            n += 1
+        return n
+
+    def finish_get(self, batch: Batch, results: Sequence[PageResult], upto: int | None = None) -> list[bool]:
+        """After a read: copy the staged pages that came back OK (the first ``upto`` pages at
+        most) into their destinations; per-page OK (False past ``upto``)."""
+        pages = len(batch.transfer.pages) // self.split
+        oks = self.page_oks(results) if len(results) == pages * self.split else [False] * pages
+        if upto is not None:
+            oks = [o and i < upto for i, o in enumerate(oks)]
+        if batch.staged:
+            raw = self._raw(batch.flats) if batch.flats is not None else None
+            for n, row in enumerate(batch.staged):
+                i, part = divmod(n, self.split)
+                if not oks[i]:
+                    continue
+                if batch.slots is not None:
+                    assert self.host is not None
+                    self.host.copy_page_in(batch.slots[i], row, part, self.split)
+                elif raw is not None:
+                    raw[i].copy_(row)
+                else:
+                    assert batch.flats is not None
+                    self._one_page(batch.flats[i]).copy_page_in(0, row, part, self.split)
+        return oks
+
+
+@dataclass(frozen=True)
+class Hit:
+    """What :func:`usable_hit` found: ``pages`` of the prefix are restorable by every pool that
+    gates it; ``draft_pages`` (<= pages) by the draft-role pools too; ``boundaries`` each pool's own."""
+
+    pages: int
+    draft_pages: int
+    boundaries: dict[str, int]
+
+
+def usable_hit(
+    bindings: Sequence[PoolBinding],
+    prefix: Mapping[str, int],
+    window_stored: Callable[[PoolBinding, int], int],
+    *,
+    limit: int,
+    draft_gates: bool = True,
+    probes: int = 4,
+    windows: Mapping[str, int] | None = None,
+) -> Hit:
+    """The hit rule, for any number of active pools.
+
+    ``prefix[name]``: leading pages stored of each ``all_pages`` pool (from one existence query).
+    ``window_stored(binding, n)``: how many of pages ``n-1, n-2, ...`` (backwards, at most the
+    pool's window) a ``trailing_pages`` pool has stored. The hit is the largest ``n <= limit`` with
+    every ``all_pages`` pool holding pages ``0..n-1`` and every ``trailing_pages`` pool the last
+    ``min(window_pages, n)`` of them. Draft-role pools gate it when ``draft_gates`` (a missing
+    draft component shortens the hit, so no restored page keeps stale draft state); otherwise they
+    only bound ``draft_pages``. A window that fails moves the candidate before the missing page;
+    after ``probes`` failed windows the pool gives 0. ``windows[name]``: a trailing pool's window
+    for this query instead of its spec's ``window_pages`` (SGLang says it per call: the transfer's keys)."""
+    window = {b.name: b.spec.window_pages for b in bindings} | dict(windows or {})
+    active = [b for b in bindings if b.active]
+    gating = [b for b in active if draft_gates or b.spec.role is not PoolKind.DRAFT]
+    draft = [b for b in active if b.spec.role is PoolKind.DRAFT]
+
+    def settle(pools: Sequence[PoolBinding], n: int, bounds: dict[str, int]) -> int:
+        for b in pools:
+            if b.spec.hit_policy is HitPolicy.ALL_PAGES:
+                bounds[b.name] = min(limit, prefix.get(b.name, 0))
+                n = min(n, bounds[b.name])
+        trailing = [b for b in pools if b.spec.hit_policy is HitPolicy.TRAILING_PAGES]
+        for _ in range(probes):
+            before = n
+            for b in trailing:
+                if n <= 0:
+                    break
+                got = window_stored(b, n)
+                if got < min(window[b.name], n):
+                    n -= got + 1  # the page before the stored tail is missing: end the window before it
+                bounds[b.name] = max(0, n)
+            if n == before or n <= 0:
+                break
+        else:
+            n = 0  # the windows did not settle within the probes: no hit rather than a guess
+        for b in trailing:
+            bounds[b.name] = max(0, min(bounds.get(b.name, n), n))
+        return max(0, n)
+
+    bounds: dict[str, int] = {}
+    pages = settle(gating, limit, bounds)
+    draft_pages = settle(draft, pages, dict(bounds)) if draft and not draft_gates else (pages if draft else 0)
+    return Hit(pages, draft_pages, bounds)

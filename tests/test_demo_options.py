@@ -113,3 +113,20 @@ def test_a_failing_phase_reports_the_childs_reason(tmp_path):
 def test_a_phase_that_overruns_its_bound_is_stopped(tmp_path):
     with pytest.raises(DemoError, match="no result within"):
         run_job(_job(tmp_path, "file"), 0.05, lambda _s: None)
+
+
+def test_pairs_are_named_and_a_job_round_trips():
+    from hicache_draft.demo.command import PAIR_NAMES
+    from hicache_draft.demo.pairs import PairName
+    from hicache_draft.demo.runner import phases
+
+    assert tuple(PairName) == PAIR_NAMES  # the CLI's choices, listed without importing torch
+    assert DemoOptions().pairs == tuple(PairName)
+    with pytest.raises(DemoError, match="--pair"):
+        DemoOptions(pairs=("gqa",)).validate()
+    job = Job(Phase.CONTROL_NO_DRAFT_INDEXER, PairName.DSA, 3, {"backend": "file"}, 96, 32, 8, 2)
+    assert Job.from_dict(job.as_dict()) == job
+    assert Job(Phase.FIRST, Attention.MLA, 1, {}, 96, 32, 8, 2).pair is PairName.MLA  # an Attention names a pair
+    assert phases(PairName.DSA) == (Phase.FIRST, Phase.CONTROL_NO_TARGET_INDEXER, Phase.AFTER_RESTART,
+                                    Phase.CONTROL_NO_DRAFT_INDEXER)
+    assert phases(PairName.MHA) == (Phase.FIRST, Phase.AFTER_RESTART, Phase.CONTROL)

@@ -9,10 +9,14 @@ import json
 
 import click
 
-from hicache_draft.capabilities import Attention
 from hicache_draft.errors import ConfigError, HiCacheDraftError, PluginError
 
-_PHASE_NAMES = {"first": "run 1", "after_restart": "restart", "control_no_draft": "control"}
+PAIR_NAMES = ("mha", "mla", "dsa")  # hicache_draft.demo.pairs.PairName, without importing torch here
+_PHASE_NAMES = {
+    "first": "run 1", "after_restart": "restart", "control_no_draft": "control",
+    "control_no_target_indexer": "control (no target indexer)",
+    "control_no_draft_indexer": "control (no draft indexer)",
+}
 
 
 @click.command("demo")
@@ -23,8 +27,8 @@ _PHASE_NAMES = {"first": "run 1", "after_restart": "restart", "control_no_draft"
 @click.option("--root", default=None, type=click.Path(file_okay=False),
               help="Keep the demo's store in this directory (the backend's scratch options for it). "
               "Default: a temporary directory.")
-@click.option("--pair", "pairs", type=click.Choice([a.value for a in Attention]), multiple=True,
-              help="Run only these pairs (repeatable). Default: mha and mla.")
+@click.option("--pair", "pairs", type=click.Choice(PAIR_NAMES), multiple=True,
+              help="Run only these pairs (repeatable). Default: mha, mla and dsa.")
 @click.option("--prompt-tokens", type=click.IntRange(min=4), default=1000, show_default=True)
 @click.option("--period", type=click.IntRange(2, 256), default=128, show_default=True,
               help="Length of the random token sequence the prompt repeats.")
@@ -46,9 +50,10 @@ def demo(
 ) -> None:
     """Restart a speculative-decoding server and see whether the draft KV came back.
 
-    For each model pair (MHA target + EAGLE-like draft, MLA target + MTP-like draft): run 1
-    prefills a long prompt, decodes and backs up target and draft pages; a new process restores
-    them and decodes again; a control restart has draft offload off. Each run is its own process.
+    For each model pair (MHA target + EAGLE-like draft, MLA target + MTP-like draft, DSA target
+    + MTP-like draft with its own indexer): run 1 prefills a long prompt, decodes and backs up its
+    pages; a new process restores them and decodes again; control restarts leave out the draft
+    (dense pairs), the draft indexer, or the stored target indexer (DSA). Each run is its own process.
     """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -56,13 +61,14 @@ def demo(
     from hicache_draft.pools import import_torch
 
     import_torch()  # quietly, before the modules that need it
+    from hicache_draft.demo.pairs import PairName
     from hicache_draft.demo.phases import Phase
     from hicache_draft.demo.report import render, render_metrics
-    from hicache_draft.demo.runner import PHASES, DemoOptions, run_demo
+    from hicache_draft.demo.runner import DemoOptions, phases, run_demo
 
     opts = DemoOptions(
         backend=backend, config_path=config_path, root=root,
-        pairs=tuple(Attention(p) for p in pairs) or (Attention.MHA, Attention.MLA),
+        pairs=tuple(PairName(p) for p in pairs) or tuple(PairName),
         prompt_tokens=prompt_tokens, period=period, decode_tokens=decode_tokens, draft_tokens=draft_tokens,
         page_size=page_size, seed=seed, phase_timeout_s=phase_timeout_s, jobs=jobs,
     )
@@ -72,10 +78,10 @@ def demo(
             SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
             TimeElapsedColumn(), console=console, transient=True,
         ) as progress:
-            task = progress.add_task("starting", total=len(opts.pairs) * len(PHASES))
+            task = progress.add_task("starting", total=sum(len(phases(p)) for p in opts.pairs))
 
-            def on_step(attention: Attention, phase: Phase, step: str) -> None:
-                label = f"[bold]{attention.value}[/] {_PHASE_NAMES[phase.value]}: {step}"
+            def on_step(pair: PairName, phase: Phase, step: str) -> None:
+                label = f"[bold]{pair.value}[/] {_PHASE_NAMES[phase.value]}: {step}"
                 progress.update(task, description=label, advance=1 if step == "done" else 0)
 
             report = run_demo(opts, on_step)

@@ -1,4 +1,4 @@
-"""Runs the demo: for each model pair, three phases, each in a fresh process on one storage."""
+"""Runs the demo: for each model pair, its phases, each in a fresh process on one storage."""
 
 from __future__ import annotations
 
@@ -16,16 +16,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicache_draft.capabilities import Attention
-from hicache_draft.config import apply_env, read_config_file
-from hicache_draft.demo.pairs import make_pair, pair_config
-from hicache_draft.demo.phases import Job, Phase
+from hicache_draft.config import Config, apply_env, read_config_file
+from hicache_draft.demo.pairs import Pair, PairName, make_pair, pair_config
+from hicache_draft.demo.phases import RESTORE_PHASES, Job, Phase
 from hicache_draft.demo.report import pair_report
 from hicache_draft.errors import HiCacheDraftError
 from hicache_draft.plugins import get_backend
 
-OnStep = Callable[[Attention, Phase, str], None]
-PHASES = (Phase.FIRST, Phase.AFTER_RESTART, Phase.CONTROL)
+OnStep = Callable[[PairName, Phase, str], None]
+
+
+def phases(pair: PairName) -> tuple[Phase, ...]:
+    """The runs of ``pair``, in order: ``first`` then its restarts."""
+    return (Phase.FIRST, *RESTORE_PHASES[PairName(pair)])
+
+
+def phase_configs(base: dict[str, Any], pair: Pair, page_size: int) -> dict[Phase, Config]:
+    """The config of each run of ``pair``: what differs between its runs is which pools are offloaded.
+
+    Dense pairs: draft offload on, and off for the control. The DSA pair: run 1 without the target
+    ``indexer`` pool (so its pages are not in storage at the first restart), the controls without
+    one indexer pool each, the others with both."""
+    if not pair.sparse:
+        on = pair_config(base, pair, page_size, draft_offload=True)
+        return {Phase.FIRST: on, Phase.AFTER_RESTART: on,
+                Phase.CONTROL: pair_config(base, pair, page_size, draft_offload=False)}
+    full = pair_config(base, pair, page_size, draft_offload=True)
+    return {
+        Phase.FIRST: pair_config(base, pair, page_size, draft_offload=True, pools=["draft_indexer"]),
+        Phase.CONTROL_NO_TARGET_INDEXER: full,
+        Phase.AFTER_RESTART: full,
+        Phase.CONTROL_NO_DRAFT_INDEXER: pair_config(base, pair, page_size, draft_offload=True, pools=["indexer"]),
+    }
 
 
 class DemoError(HiCacheDraftError):
@@ -39,7 +61,7 @@ class DemoOptions:
     backend: str | None = None
     config_path: str | None = None
     root: str | None = None
-    pairs: tuple[Attention, ...] = (Attention.MHA, Attention.MLA)
+    pairs: tuple[PairName, ...] = tuple(PairName)
     prompt_tokens: int = 1000
     period: int = 128
     decode_tokens: int = 64
@@ -47,10 +69,16 @@ class DemoOptions:
     page_size: int | None = None
     seed: int = 1
     phase_timeout_s: float = 300.0
-    jobs: int = 2  # pairs run side by side (each pair's three runs stay in order)
+    jobs: int = 2  # pairs run side by side (each pair's runs stay in order)
     environ: dict[str, str] | None = field(default=None, repr=False)
 
     def validate(self) -> None:
+        try:
+            self.pairs = tuple(PairName(p) for p in self.pairs)
+        except ValueError:
+            raise DemoError(f"--pair: the pairs are {', '.join(PairName)}, not {list(self.pairs)}") from None
+        if not self.pairs:
+            raise DemoError("--pair: no pair to run")
         if self.draft_tokens < 1:
             raise DemoError("--draft-tokens must be >= 1")
         if self.decode_tokens < 2:
@@ -137,7 +165,7 @@ def run_job(job: Job, timeout_s: float, on_step: Callable[[str], None]) -> dict[
             try:
                 line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise DemoError(f"{job.attention.value} {job.phase.value}: no result within {timeout_s:g}s") from None
+                raise DemoError(f"{job.pair.value} {job.phase.value}: no result within {timeout_s:g}s") from None
             if line is None:
                 break
             try:
@@ -158,11 +186,11 @@ def run_job(job: Job, timeout_s: float, on_step: Callable[[str], None]) -> dict[
     for t in readers:
         t.join(timeout=5)
     if failure is not None:
-        raise DemoError(f"{job.attention.value} {job.phase.value}: {failure}")
+        raise DemoError(f"{job.pair.value} {job.phase.value}: {failure}")
     if result is None or proc.returncode != 0:
         tail = "".join(errors)[-2000:].strip()
         raise DemoError(
-            f"{job.attention.value} {job.phase.value}: the process exited with status {proc.returncode}"
+            f"{job.pair.value} {job.phase.value}: the process exited with status {proc.returncode}"
             + (f":\n{tail}" if tail else "")
         )
     return result
@@ -179,27 +207,23 @@ def run_demo(opts: DemoOptions, on_step: OnStep | None = None) -> dict[str, Any]
         info = get_backend(base["backend"])
         assert info.capabilities is not None
 
-        def one_pair(attention: Attention) -> dict[str, Any]:
-            pair = make_pair(attention, opts.seed)
-            configs = {
-                Phase.FIRST: pair_config(base, pair, page_size, draft_offload=True),
-                Phase.AFTER_RESTART: pair_config(base, pair, page_size, draft_offload=True),
-                Phase.CONTROL: pair_config(base, pair, page_size, draft_offload=False),
-            }
+        def one_pair(name: PairName) -> dict[str, Any]:
+            pair = make_pair(name, opts.seed)
+            configs = phase_configs(base, pair, page_size)
             results: dict[Phase, dict[str, Any]] = {}
-            for phase in PHASES:
+            for phase in phases(name):
                 job = Job(
-                    phase=phase, attention=attention, seed=opts.seed,
+                    phase=phase, pair=name, seed=opts.seed,
                     config=configs[phase].model_dump(mode="json"), prompt_tokens=opts.prompt_tokens,
                     period=opts.period, decode_tokens=opts.decode_tokens, draft_tokens=opts.draft_tokens,
                 )
-                step(attention, phase, "starting a new process")
-                results[phase] = run_job(job, opts.phase_timeout_s, lambda s, p=phase: step(attention, p, s))
-                step(attention, phase, "done")
-            return pair_report(pair, configs[Phase.FIRST], results)
+                step(name, phase, "starting a new process")
+                results[phase] = run_job(job, opts.phase_timeout_s, lambda s, p=phase: step(name, p, s))
+                step(name, phase, "done")
+            return pair_report(pair, configs[Phase.AFTER_RESTART], results)
 
-        for attention in opts.pairs:  # fail early, in this process, on a config the pair cannot use
-            pair_config(base, make_pair(attention, opts.seed), page_size, draft_offload=True)
+        for name in opts.pairs:  # fail early, in this process, on a config the pair cannot use
+            phase_configs(base, make_pair(name, opts.seed), page_size)
         # The pairs use different model identities, hence different keys: they may share the store at
         # once when the backend declares it may be used by several processes at once.
         workers = min(opts.jobs, len(opts.pairs)) if info.capabilities.shared else 1

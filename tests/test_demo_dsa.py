@@ -19,7 +19,7 @@ from hicache_draft.demo.paged import (
     index_to_device,
     index_to_host,
 )
-from hicache_draft.demo.pairs import PairName, make_pair, make_prompt
+from hicache_draft.demo.pairs import PairName, identity, index_pools, make_pair, make_prompt, pair_config
 from hicache_draft.demo.spec_decode import SpecEngine
 from hicache_draft.pools import HostPool, PoolSpec
 
@@ -208,3 +208,18 @@ def test_sparse_specs_are_checked_and_named():
     dense = ModelSpec(name="x", attention=Attention.MLA, layers=1, heads=1, head_dim=8, vocab=16, token_dim=8,
                       pos_dim=0, noise=0.0, seed=0)
     assert not dense.sparse and base.sparse
+
+
+def test_dsa_config_declares_both_indexer_pools_and_the_controls_drop_one():
+    pair = make_pair(PairName.DSA, 2)
+    assert identity(pair.target) != identity(make_pair(PairName.MLA, 2).target)
+    pools = index_pools(pair, PS)
+    assert [p["name"] for p in pools] == ["indexer", "draft_indexer"]
+    assert pools[0]["layers"] == pair.target.layers and pools[1]["layers"] == pair.draft.layers
+    assert pools[0]["row_bytes"] == [pair.target.index_row_bytes(PS)]
+    full = pair_config({"backend": "file"}, pair, PS, draft_offload=True)
+    assert [p.name for p in full.pools] == ["indexer", "draft_indexer"]
+    no_draft_indexer = pair_config({"backend": "file"}, pair, PS, draft_offload=True, pools=["indexer"])
+    assert [p.name for p in no_draft_indexer.pools] == ["indexer"]
+    dense = pair_config({"backend": "file", "pools": [{"name": "junk"}]}, make_pair(PairName.MLA, 2), PS, True)
+    assert not dense.pools

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from hicache_draft.capabilities import Capabilities
+from hicache_draft.capabilities import Capabilities, PoolKind
 from hicache_draft.hookspecs import hookimpl
 from hicache_draft.transfer import PoolRegistration
 
@@ -68,17 +68,22 @@ class StorageBackend:
         return None
 
     def check_registration(self, registration: PoolRegistration) -> None:
-        """Raise ValueError unless the pool and its attention type are declared in ``capabilities``."""
+        """Raise ValueError unless the pool's role, component and attention type are declared in
+        ``capabilities``."""
         cap = type(self).capabilities
         caps = cap if isinstance(cap, Capabilities) else Capabilities.model_validate(cap)
-        pool = caps.pools.get(registration.pool)
+        name = str(registration.pool)
+        role = registration.role or PoolKind.KV
+        pool = caps.pools.get(role)
         if pool is None:
-            raise ValueError(f"this backend does not hold the {registration.pool.value!r} pool")
-        if registration.attention not in pool.attention:
+            raise ValueError(f"this backend does not hold {role.value!r} pools (pool {name!r})")
+        if registration.component not in pool.components:
             raise ValueError(
-                f"this backend does not hold {registration.attention.value!r} pages in the "
-                f"{registration.pool.value!r} pool"
+                f"this backend does not hold the {registration.component.value!r} component of {role.value!r} pools "
+                f"(pool {name!r})"
             )
+        if registration.attention is not None and registration.attention not in pool.attention:
+            raise ValueError(f"this backend does not hold {registration.attention.value!r} pages in the {name!r} pool")
 
     @hookimpl
     def register_pool(self, registration: PoolRegistration) -> None:

@@ -17,11 +17,11 @@ from rich.console import Console
 from rich.table import Table
 
 from hicache_draft.bench.command import bench
-from hicache_draft.capabilities import IOPath, PoolKind
+from hicache_draft.capabilities import IOPath
 from hicache_draft.config import Config, load_config
 from hicache_draft.demo.command import demo
 from hicache_draft.errors import ConfigError, HiCacheDraftError, PluginError
-from hicache_draft.paths import plan_paths
+from hicache_draft.paths import plan_paths, plan_pools
 from hicache_draft.plugins import discover_backends, get_backend
 
 COMMANDS_GROUP = "hicache_draft.commands"
@@ -125,12 +125,13 @@ def check_report(config: Config) -> dict[str, Any]:
 
     validate_options(info.name, info.cls, config.backend_options)
     plan = plan_paths(config, info.capabilities)
+    detail = {name: p.as_dict() for name, p in plan_pools(config, info.capabilities).items()}
     return {
         "backend": info.name,
         "backend_default": config.backend is None,
         "distribution": info.distribution,
         "capabilities": info.capabilities.summary(),
-        "pools": {k.value: plan[k].as_dict() for k in PoolKind},
+        "pools": {str(k): {**c.as_dict(), **detail.get(k, {})} for k, c in plan.items()},
         "draft_on_miss": config.draft.on_miss.value,
         "split_factor": config.parallel.split_factor,
     }
@@ -152,11 +153,13 @@ def check(config_path: str, as_json: bool) -> None:
                   f"({report['distribution'] or 'in-process'}{chosen})", soft_wrap=True)
     table = Table(title="I/O path per pool")
     table.add_column("pool")
+    table.add_column("what")
     table.add_column("path")
     table.add_column("reason", overflow="fold")
     colors = {IOPath.ZERO_COPY.value: "green", IOPath.GENERIC.value: "yellow", IOPath.DISABLED.value: "red"}
     for pool, choice in report["pools"].items():
-        table.add_row(pool, f"[{colors[choice['path']]}]{choice['path']}[/]", choice["reason"])
+        what = f"{choice['role']} {choice['component']}, {choice['hit_policy']}" if "role" in choice else "-"
+        table.add_row(pool, what, f"[{colors[choice['path']]}]{choice['path']}[/]", choice["reason"])
     console.print(table)
 
 

@@ -40,7 +40,8 @@ class PoolCounters:
 
 @dataclass
 class Metrics:
-    """Counters per pool (``kv``, ``draft``), updated by the controller."""
+    """Counters per pool (``kv``, ``draft``, and any other pool once it moves a page), updated by
+    the controller."""
 
     pools: dict[str, PoolCounters] = field(default_factory=lambda: {p: PoolCounters() for p in PoolKind})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -48,7 +49,7 @@ class Metrics:
     def record_set(self, pool: str, results: Sequence[PageResult], page_nbytes: int, seconds: float) -> None:
         ok = sum(1 for r in results if r == PageResult.OK)
         with self._lock:
-            c = self.pools[pool]
+            c = self._counters(pool)
             c.pages_written += ok
             c.bytes_written += ok * page_nbytes
             c.write_failures += len(results) - ok
@@ -56,7 +57,7 @@ class Metrics:
 
     def record_get(self, pool: str, results: Sequence[PageResult], page_nbytes: int, seconds: float) -> None:
         with self._lock:
-            c = self.pools[pool]
+            c = self._counters(pool)
             for r in results:
                 if r == PageResult.OK:
                     c.pages_read += 1
@@ -71,9 +72,15 @@ class Metrics:
                     c.read_failures += 1
             c.seconds += seconds
 
+    def _counters(self, pool: str) -> PoolCounters:
+        got = self.pools.get(pool)
+        if got is None:
+            got = self.pools[pool] = PoolCounters()
+        return got
+
     def snapshot(self) -> dict[str, dict[str, float]]:
         with self._lock:
-            return {p.value: asdict(c) for p, c in self.pools.items()}
+            return {str(p): asdict(c) for p, c in self.pools.items()}
 
 
 def metrics_table(snapshot: Mapping[str, Mapping[str, float]], title: str = "offload metrics") -> Table:

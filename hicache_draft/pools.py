@@ -110,8 +110,9 @@ def pool_name(name: str) -> str:
 class PoolSpec:
     """The shape of one host pool, and what it is.
 
-    ``kind`` is the pool's name (:data:`KNOWN_POOLS`, or any :data:`POOL_NAME`); ``role``,
-    ``component`` and ``hit_policy`` default from the known names and must be given otherwise.
+    ``kind`` is the pool's name (:data:`KNOWN_POOLS`, or any :data:`POOL_NAME`); ``role`` and
+    ``component`` default from the known names and must be given otherwise; ``hit_policy``
+    defaults from the name, else from the component (``trailing_pages`` for windows and states).
     ``kv`` and ``window`` pools have MHA/MLA geometry (``attention``, heads, dims); ``indexer`` and
     ``state`` pools have row geometry: ``rows`` holds, for each of the pool's arrays, the bytes of
     one page in one layer, and ``attention`` is None (see the module docs for the shapes).
@@ -145,11 +146,15 @@ class PoolSpec:
         put("dtype", dtype_name(self.dtype))
         put("rows", tuple(int(r) for r in self.rows))
         known = KNOWN_POOLS.get(str(self.kind))
-        for name in ("role", "component", "hit_policy"):
+        for name in ("role", "component"):
             if getattr(self, name) is None:
                 if known is None:
                     raise ValueError(f"pool {self.kind!r} is not a known pool name: its spec needs a {name}")
                 put(name, getattr(known, name))
+        if self.hit_policy is None:  # a known name's, else the component's: windows and states trail
+            trails = Component(self.component) in (Component.WINDOW, Component.STATE)
+            default = HitPolicy.TRAILING_PAGES if trails else HitPolicy.ALL_PAGES
+            put("hit_policy", known.hit_policy if known else default)
         put("role", PoolKind(self.role))
         put("component", Component(self.component))
         put("hit_policy", HitPolicy(self.hit_policy))

@@ -39,7 +39,6 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
 
-from hicache_draft.capabilities import PoolKind
 from hicache_draft.hookspecs import hookimpl
 from hicache_draft.transfer import PageResult, PageTransfer
 
@@ -106,14 +105,14 @@ class PrometheusObserver:
         outcome: str,
         seconds: float,
         transfers: Sequence[PageTransfer],
-        results: Mapping[PoolKind, Sequence[PageResult]],
+        results: Mapping[str, Sequence[PageResult]],
     ) -> None:
         m = self._m
         m.calls.labels(backend, hook, outcome).inc()
         m.seconds.labels(backend, hook).observe(seconds)
         sizes = {t.pool: [p.nbytes for p in t.pages] for t in transfers}
         for pool, per_page in results.items():
-            p = pool.value
+            p = str(pool)
             if outcome == "timeout":
                 m.timeouts.labels(backend, p, hook).inc()
             ok = [i for i, r in enumerate(per_page) if r == PageResult.OK]

@@ -87,7 +87,8 @@ def test_path_table_and_check_agree(capabilities, kw, kv_path, draft_path, words
             report = check_report(cfg)
         finally:
             unregister_backend("memory")
-        assert report["pools"] == {k.value: ctrl.plan[k].as_dict() for k in PoolKind}
+        assert {k: {"path": v["path"], "reason": v["reason"]} for k, v in report["pools"].items()} == {
+            k.value: ctrl.plan[k].as_dict() for k in PoolKind}
     finally:
         ctrl.close()
 

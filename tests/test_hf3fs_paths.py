@@ -201,7 +201,8 @@ def test_check_json_shows_the_disabled_mha_draft_with_its_reason(tmp_path, no_co
     assert report["backend"] == "hf3fs" and report["distribution"] == "hicache-draft-hf3fs"
     assert report["pools"]["kv"]["path"] == "zero_copy"
     assert report["pools"]["draft"] == {
-        "path": "disabled", "reason": MHA_DRAFT_REASON,
+        "path": "disabled", "reason": MHA_DRAFT_REASON, "role": "draft", "component": "kv",
+        "hit_policy": "all_pages", "split": 1, "writer": True,
     }
     assert report["capabilities"] == HF3FS_CAPABILITIES.summary()
 

@@ -1,0 +1,384 @@
+"""The pool binding and the open pool model: row geometry, the hit rule, and the controller over any
+number of pools (DSA indexers, sliding windows, recurrent state, their drafts) on a real store."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from hicache_draft import (
+    Attention,
+    CacheController,
+    Capabilities,
+    Component,
+    ConfigError,
+    HitPolicy,
+    HostPool,
+    IOPath,
+    Layout,
+    PoolCapability,
+    PoolKind,
+    PoolSpec,
+    Store,
+    hookimpl,
+    load_config,
+    plan_binding,
+    register_backend,
+    unregister_backend,
+    usable_hit,
+)
+from hicache_draft.binding import PoolBinding
+from hicache_draft.config import ParallelConfig
+from hicache_draft.keys import pool_identities
+from hicache_draft.paths import plan_paths
+from hicache_draft.testing import MemoryBackend
+
+PS = 4
+ROW_LAYOUTS = [Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT]
+EVERY = frozenset(Component)
+
+
+def every_component(**kw: Any) -> PoolCapability:
+    return PoolCapability(attention=frozenset(Attention), zero_copy_layouts=frozenset(Layout), components=EVERY, **kw)
+
+
+ALL_CAPS = Capabilities(pools={PoolKind.KV: every_component(), PoolKind.DRAFT: every_component()},
+                        split_heads=True, persistent=True)
+
+
+@pytest.fixture
+def memory():
+    MemoryBackend.reset()
+    cls = type("Everything", (MemoryBackend,), {"capabilities": ALL_CAPS})
+    register_backend("memory", cls)
+    yield cls
+    unregister_backend("memory")
+    MemoryBackend.reset()
+
+
+def test_the_classic_pools_keep_the_keys_of_key_format_2():
+    """Values computed with the code before open pools (commit cf23ee5): stores written then still hit."""
+    common: dict[str, Any] = dict(pp_rank=0, pp_size=1, page_size=4)
+    kv = pool_identities(pool=PoolKind.KV, model="m", dtype="bfloat16", attention=Attention.MHA, layers=2,
+                         layout=Layout.PAGE_FIRST, kv_heads=4, head_dim=8, latent_dim=None, tp_rank=1, tp_size=2,
+                         tp_lcm_size=4, **common)
+    draft = pool_identities(pool=PoolKind.DRAFT, model="d", dtype="bfloat16", attention=Attention.MLA, layers=1,
+                            layout=Layout.PAGE_FIRST, kv_heads=None, head_dim=None, latent_dim=24, tp_rank=0,
+                            tp_size=1, tp_lcm_size=None, target_model="m", **common)
+    assert [i.fingerprint() for i in kv] == ["79398c53ecede5468cb1d14f", "99c6d50d65357c46be378f60"]
+    assert draft[0].fingerprint() == "4b441d712a29ff85f72a32e8"
+
+
+# -- row geometry -------------------------------------------------------------------------------------
+def row_spec(layout: Layout, rows: tuple[int, ...], name: str = "indexer", layers: int = 3) -> PoolSpec:
+    return PoolSpec(kind=name, attention=None, layers=layers, page_size=PS, dtype="uint8", layout=layout, rows=rows)
+
+
+def manual_page(arrays: list[torch.Tensor], layout: Layout, page: int) -> bytes:
+    """A row page's bytes from first principles: array after array, layer after layer."""
+    out = b""
+    for a in arrays:
+        for layer in range(a.shape[0] if layout is Layout.LAYER_FIRST else a.shape[1]):
+            row = a[layer, page] if layout is Layout.LAYER_FIRST else a[page, layer, 0]
+            out += bytes(row.tolist())
+    return out
+
+
+@pytest.mark.parametrize(("layout", "rows"), list(itertools.product(ROW_LAYOUTS, [(12,), (8, 20, 4)])))
+def test_row_pools_store_the_same_bytes_zero_copy_and_staged(layout, rows):
+    spec = row_spec(layout, rows)
+    pool = HostPool(spec, 5)
+    pool.raw.copy_(torch.randint(0, 256, pool.raw.shape, dtype=torch.uint8))
+    assert spec.page_nbytes == 3 * sum(rows)
+    assert spec.buffers_per_page() == len(rows) * (3 if layout is Layout.LAYER_FIRST else 1)
+    index = pool.slot_buffers()
+    for page in range(5):
+        slot = page * PS
+        want = manual_page(list(pool.arrays), layout, page)
+        zc = b"".join(bytes(b.view()) for b in pool.page_buffers(slot))
+        assert zc == want == pool.page_bytes(slot)
+        assert index.buffers([slot])[0] == pool.page_buffers(slot)  # one stride per array
+    other = HostPool(spec, 5)
+    row = torch.empty(spec.page_nbytes, dtype=torch.uint8)
+    pool.copy_page_out(8, row)
+    other.copy_page_in(12, row)
+    assert other.page_bytes(12) == pool.page_bytes(8)
+
+
+def test_a_row_pool_over_separate_tensors_is_the_same_pool():
+    """SGLang's Mamba host pool keeps its temporal and conv states in separate tensors."""
+    spec = row_spec(Layout.PAGE_FIRST, (16, 6), name="mamba", layers=2)
+    one = HostPool(spec, 4)
+    one.raw.copy_(torch.randint(0, 256, one.raw.shape, dtype=torch.uint8))
+    arrays = [a.clone() for a in one.arrays]
+    wrapped = HostPool.wrap_arrays(spec, arrays)
+    assert wrapped.num_pages == 4 and len(wrapped.regions()) == 2
+    for slot in (0, 4, 12):
+        assert wrapped.page_bytes(slot) == one.page_bytes(slot)
+    with pytest.raises(ValueError, match="different numbers of pages"):
+        HostPool.wrap_arrays(spec, [arrays[0], arrays[1][:2]])
+
+
+@pytest.mark.parametrize(("kw", "words"), [
+    ({"kind": "lightning", "rows": (8,)}, "not a known pool name: its spec needs a role"),
+    ({"rows": (8,), "attention": Attention.MLA}, "attention must be None"),
+    ({"rows": ()}, "needs rows"),
+    ({"rows": (8,), "layout": Layout.PAGE_HEAD}, "page_head"),
+    ({"rows": (8,), "dtype": "bfloat16"}, "row pools are bytes"),
+    ({"kind": "Bad-Name", "rows": (8,)}, "must match"),
+])
+def test_pool_specs_name_what_is_wrong(kw, words):
+    args: dict[str, Any] = dict(kind="indexer", attention=None, layers=1, page_size=PS, dtype="uint8",
+                                layout=Layout.PAGE_FIRST)
+    args.update(kw)
+    with pytest.raises(ValueError, match=words):
+        PoolSpec(**args)
+
+
+def test_known_pool_names_carry_role_component_and_policy():
+    swa = PoolSpec(kind="draft_swa", attention=Attention.MHA, layers=1, page_size=PS, dtype="bfloat16",
+                   layout=Layout.PAGE_FIRST, kv_heads=2, head_dim=8)
+    assert (swa.role, swa.component, swa.hit_policy, swa.window_pages) == (
+        PoolKind.DRAFT, Component.WINDOW, HitPolicy.TRAILING_PAGES, 1)
+    mamba = row_spec(Layout.PAGE_FIRST, (8,), name="mamba")
+    assert mamba.sharded and not row_spec(Layout.PAGE_FIRST, (8,)).sharded
+
+
+# -- planning ------------------------------------------------------------------------------------------
+def test_a_component_the_backend_does_not_declare_is_disabled_with_the_reason():
+    caps = Capabilities(pools={PoolKind.KV: PoolCapability(attention=frozenset(Attention))})
+    plan = plan_binding(row_spec(Layout.PAGE_FIRST, (8,)), caps, ParallelConfig(), model="m", target_model="m")
+    assert plan.path is IOPath.DISABLED
+    assert "does not declare the 'indexer' component for 'kv' pools" in plan.reason
+
+
+def test_replicated_row_pools_are_written_by_rank_0_and_sharded_ones_by_every_rank():
+    par = ParallelConfig(tp_rank=1, tp_size=2)
+    idx = plan_binding(row_spec(Layout.PAGE_FIRST, (8,)), ALL_CAPS, par, model="m", target_model="m")
+    state = plan_binding(row_spec(Layout.PAGE_FIRST, (8,), name="mamba"), ALL_CAPS, par, model="m", target_model="m")
+    idx0 = plan_binding(row_spec(Layout.PAGE_FIRST, (8,)), ALL_CAPS, ParallelConfig(tp_size=2), model="m",
+                        target_model="m")
+    assert (idx.writer, state.writer) == (False, True)
+    assert idx.namespaces == idx0.namespaces  # rank-neutral keys
+    state0 = plan_binding(row_spec(Layout.PAGE_FIRST, (8,), name="mamba"), ALL_CAPS, ParallelConfig(tp_size=2),
+                          model="m", target_model="m")
+    assert state.namespaces != state0.namespaces
+
+
+def test_pools_of_other_names_or_components_never_share_keys():
+    specs = [row_spec(Layout.PAGE_FIRST, (8,), name=n) for n in ("indexer", "draft_indexer", "mamba")]
+    specs.append(PoolSpec(kind="custom", attention=None, layers=3, page_size=PS, dtype="uint8",
+                          layout=Layout.PAGE_FIRST, rows=(8,), role=PoolKind.KV, component=Component.STATE))
+    names = {plan_binding(s, ALL_CAPS, ParallelConfig(), model="m", target_model="m").namespaces for s in specs}
+    assert len(names) == len(specs)
+
+
+# -- the hit rule ---------------------------------------------------------------------------------------
+class _Fake:
+    """Just what usable_hit reads of a binding."""
+
+    def __init__(self, name: str, role: PoolKind, policy: HitPolicy, window: int = 0) -> None:
+        self.name, self.active = name, True
+        self.spec = type("S", (), {"role": role, "hit_policy": policy, "window_pages": window})()
+
+
+def hit(pools, prefix, stored_pages, limit, draft_gates=True):
+    def window(b, n):
+        got = 0
+        for page in range(n - 1, max(-1, n - 1 - b.spec.window_pages), -1):
+            if page not in stored_pages[b.name]:
+                break
+            got += 1
+        return got
+    return usable_hit(pools, prefix, window, limit=limit, draft_gates=draft_gates)
+
+
+KV_ = _Fake("kv", PoolKind.KV, HitPolicy.ALL_PAGES)
+IDX = _Fake("indexer", PoolKind.KV, HitPolicy.ALL_PAGES)
+DRAFT_IDX = _Fake("draft_indexer", PoolKind.DRAFT, HitPolicy.ALL_PAGES)
+SWA = _Fake("swa", PoolKind.KV, HitPolicy.TRAILING_PAGES, window=2)
+
+
+def test_the_hit_is_the_minimum_over_all_pages_pools():
+    got = hit([KV_, IDX, DRAFT_IDX], {"kv": 9, "indexer": 6, "draft_indexer": 7}, {}, limit=8)
+    assert (got.pages, got.draft_pages) == (6, 6)
+    assert got.boundaries == {"kv": 8, "indexer": 6, "draft_indexer": 7}
+
+
+def test_a_missing_draft_component_shortens_the_hit_or_only_the_draft_prefix():
+    shorten = hit([KV_, DRAFT_IDX], {"kv": 8, "draft_indexer": 3}, {}, limit=8)
+    target_only = hit([KV_, DRAFT_IDX], {"kv": 8, "draft_indexer": 3}, {}, limit=8, draft_gates=False)
+    assert (shorten.pages, shorten.draft_pages) == (3, 3)
+    assert (target_only.pages, target_only.draft_pages) == (8, 3)
+
+
+def test_trailing_pools_are_checked_over_their_window_only():
+    # the window holds pages 6, 7 only: the whole prefix of 8 counts though pages 0-5 are absent
+    assert hit([KV_, SWA], {"kv": 8}, {"swa": {6, 7}}, limit=8).pages == 8
+    # page 7 absent: the window must end before it, at 7 (pages 5, 6) - 5 absent too, so at 5 (3, 4)
+    assert hit([KV_, SWA], {"kv": 8}, {"swa": {3, 4, 6}}, limit=8).pages == 5
+    # no window anywhere: no hit
+    assert hit([KV_, SWA], {"kv": 8}, {"swa": set()}, limit=8).pages == 0
+
+
+# -- the controller over every pool, on a store ------------------------------------------------------
+def config(extra: list[dict[str, Any]], on_miss: str = "shorten", space: str = "b") -> Any:
+    return load_config(data={
+        "backend": "memory", "backend_options": {"space": space},
+        "namespace": {"model": "dsa-target", "draft_model": "dsa-draft", "page_size": PS},
+        "target": {"attention": "mla", "layers": 2, "latent_dim": 24, "layout": "page_first"},
+        "draft": {"enabled": True, "attention": "mla", "layers": 1, "latent_dim": 16, "on_miss": on_miss},
+        "pools": extra,
+    })
+
+
+INDEXER = {"name": "indexer", "layers": 2, "row_bytes": [PS * 10]}
+DRAFT_INDEXER = {"name": "draft_indexer", "layers": 1, "row_bytes": [PS * 10]}
+WINDOW = {"name": "swa", "attention": "mha", "kv_heads": 2, "head_dim": 8, "layers": 1, "window_pages": 2}
+STATE = {"name": "mamba", "layers": 2, "row_bytes": [24, 8]}
+ALL_EXTRA = [INDEXER, DRAFT_INDEXER, WINDOW, STATE]
+PAGES = 6
+TOKENS = list(range(100, 100 + PAGES * PS))
+SLOTS = [i * PS for i in range(PAGES)]
+
+
+def controller(cfg: Any) -> CacheController:
+    return CacheController(cfg, Store.open("memory", dict(cfg.backend_options)), num_pages=8)
+
+
+def fill(ctrl: CacheController, seed: int) -> dict[str, list[bytes]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, b in ctrl.bindings.items():
+        b.host.raw.copy_(torch.randint(0, 256, b.host.raw.shape, dtype=torch.uint8, generator=gen))
+        out[name] = [b.host.page_bytes(s) for s in SLOTS]
+    return out
+
+
+def restore(cfg: Any, dst: list[int]) -> tuple[Any, CacheController]:
+    reader = controller(cfg)
+    return reader.prefetch(TOKENS, dst), reader
+
+
+def test_every_pool_comes_back_byte_exact_after_a_restart(memory):
+    cfg = config(ALL_EXTRA)
+    writer = controller(cfg)
+    assert all(b.active for b in writer.bindings.values()), {n: b.reason for n, b in writer.bindings.items()}
+    before = fill(writer, 1)
+    res = writer.backup(TOKENS, SLOTS)
+    assert res.pages_written == {name: PAGES for name in writer.bindings}
+    writer.close()
+    dst = [s + PS for s in SLOTS]  # other slots than the writer's
+    got, reader = restore(cfg, dst)
+    try:
+        assert (got.pages, got.draft_cold) == (PAGES, [])
+        assert got.restored == {"kv": 6, "draft": 6, "indexer": 6, "draft_indexer": 6, "swa": 2, "mamba": 1}
+        for name, b in reader.bindings.items():
+            pages = range(PAGES) if b.spec.hit_policy is HitPolicy.ALL_PAGES else range(
+                PAGES - b.spec.window_pages, PAGES)
+            assert [b.host.page_bytes(dst[i]) for i in pages] == [before[name][i] for i in pages], name
+    finally:
+        reader.close()
+
+
+class CallLog:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str]]] = []
+
+    @hookimpl
+    def call_done(self, backend, hook, outcome, seconds, transfers, results):
+        self.calls.append((hook, [str(t.pool) for t in transfers or ()]))
+
+
+def test_all_pools_of_a_batch_go_in_one_call(memory):
+    cfg = config(ALL_EXTRA)
+    log = CallLog()
+    ctrl = CacheController(cfg, Store.open("memory", dict(cfg.backend_options), observers=[log]), num_pages=8)
+    fill(ctrl, 2)
+    ctrl.backup(TOKENS, SLOTS)
+    ctrl.prefetch(TOKENS, [s + PS for s in SLOTS])
+    sets = [pools for hook, pools in log.calls if hook == "page_set"]
+    gets = [pools for hook, pools in log.calls if hook == "page_get"]
+    assert len(sets) == 1 and sorted(sets[0]) == sorted(ctrl.bindings)
+    # the prefix's pools in one call, then the trailing windows in one call
+    assert [sorted(g) for g in gets] == [["draft", "draft_indexer", "indexer", "kv"], ["mamba", "swa"]]
+    ctrl.close()
+
+
+def test_without_the_target_indexer_stored_there_is_no_hit(memory):
+    """An all-pages pool that is missing makes the whole hit 0: KV without its indexer is useless."""
+    writer = controller(config([DRAFT_INDEXER]))
+    fill(writer, 3)
+    writer.backup(TOKENS, SLOTS)
+    writer.close()
+    got, reader = restore(config([INDEXER, DRAFT_INDEXER]), [s + PS for s in SLOTS])
+    assert (got.pages, got.hit["indexer"], got.hit["kv"]) == (0, 0, PAGES)
+    reader.close()
+
+
+@pytest.mark.parametrize("on_miss", ["shorten", "target_only"])
+def test_a_missing_draft_indexer_never_leaves_stale_draft_state(memory, on_miss):
+    """The #28895 failure: draft KV stored, its indexer not. shorten: no hit; target_only: all draft-cold."""
+    writer = controller(config([INDEXER]))
+    fill(writer, 4)
+    writer.backup(TOKENS, SLOTS)
+    writer.close()
+    got, reader = restore(config([INDEXER, DRAFT_INDEXER], on_miss=on_miss), [s + PS for s in SLOTS])
+    try:
+        if on_miss == "shorten":
+            assert (got.pages, got.draft_cold) == (0, [])
+        else:
+            assert got.pages == PAGES and got.draft_cold == list(range(PAGES))
+            assert got.restored["draft_indexer"] == 0 and got.restored["draft"] == 0
+    finally:
+        reader.close()
+
+
+def test_a_window_missing_at_the_end_moves_the_hit_before_it(memory):
+    writer = controller(config([WINDOW]))
+    fill(writer, 5)
+    writer.backup(TOKENS[: 4 * PS], SLOTS[:4])  # every pool, pages 0-3
+    writer.close()
+    short = controller(config([]))
+    fill(short, 5)
+    short.backup(TOKENS, SLOTS)  # kv and draft only, pages 0-5
+    short.close()
+    got, reader = restore(config([WINDOW]), [s + PS for s in SLOTS])
+    assert (got.pages, got.restored["swa"], got.hit["swa"]) == (4, 2, 4)
+    reader.close()
+
+
+def test_extra_pools_in_the_config_are_validated_with_clear_errors():
+    cases = [
+        ({"name": "lightning", "row_bytes": [8]}, "not a known pool name: give its role and component"),
+        ({"name": "indexer"}, "needs row_bytes"),
+        ({"name": "swa", "attention": "mha", "kv_heads": 2}, "needs kv_heads and head_dim"),
+        ({"name": "indexer", "row_bytes": [8], "attention": "mla"}, "holds bytes"),
+        ({"name": "kv", "row_bytes": [8]}, "configured by [target]"),
+        ({"name": "Index", "row_bytes": [8]}, "pools.0.name"),
+    ]
+    for pool, words in cases:
+        with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            config([pool])
+    with pytest.raises(ConfigError, match="configured twice"):
+        config([INDEXER, INDEXER])
+
+
+def test_draft_role_pools_are_off_with_the_draft_and_check_says_so():
+    cfg = load_config(data={
+        "namespace": {"model": "m", "page_size": PS}, "target": {"attention": "mla", "latent_dim": 8},
+        "pools": [INDEXER, DRAFT_INDEXER],
+    })
+    plan = plan_paths(cfg, ALL_CAPS)
+    assert plan["indexer"].path is IOPath.ZERO_COPY
+    assert plan["draft_indexer"].path is IOPath.DISABLED and "draft offload is off" in plan["draft_indexer"].reason
+
+
+def test_a_binding_refuses_a_host_pool_of_another_shape():
+    spec = row_spec(Layout.PAGE_FIRST, (8,))
+    plan = plan_binding(spec, ALL_CAPS, ParallelConfig(), model="m", target_model="m")
+    with pytest.raises(ValueError, match="does not match"):
+        PoolBinding(plan, HostPool(row_spec(Layout.PAGE_FIRST, (9,)), 2))

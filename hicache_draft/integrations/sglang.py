@@ -1,4 +1,5 @@
-"""An SGLang ``HiCacheStorage`` that stores target and draft KV pages in any hicache-draft backend.
+"""An SGLang ``HiCacheStorage`` that stores every pool SGLang registers (target and draft KV, DSA
+indexers, sliding-window KV) in any hicache-draft backend.
 
 Load it through SGLang's own dynamic-backend mechanism::
 
@@ -11,15 +12,21 @@ Load it through SGLang's own dynamic-backend mechanism::
 What SGLang calls, and where it goes:
 
 * ``batch_set_v1`` / ``batch_get_v1`` / ``batch_exists``: target (``kv``) pages by host index.
-* ``register_mem_host_pool_v2`` with ``PoolName.DRAFT``, then ``batch_exists_v2`` /
-  ``batch_get_v2`` / ``batch_set_v2``: target and draft pages in one backend call; the hit is the
-  longest target prefix, shortened to the draft prefix (ALL_PAGES).
+* ``register_mem_host_pool_v2`` with any ``PoolName`` (DRAFT, INDEXER, DRAFT_INDEXER, SWA,
+  DRAFT_SWA, ...), then ``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2``: the pages of
+  every transfer in one backend call; the hit is :func:`hicache_draft.binding.usable_hit` over the
+  target KV and every transfer's pool (ALL_PAGES pools over the whole prefix, TRAILING_PAGES pools
+  over the transfer's keys, as SGLang's own backends check them).
 * ``batch_set`` / ``batch_get`` / ``set`` / ``get`` / ``exists`` (SGLang's generic calls, flat data
-  pages): ``"{hash}"`` keys are target pages, ``"{hash}.draft"`` keys draft pages.
+  pages): ``"{hash}"`` keys are target pages, ``"{hash}.{pool}"`` keys that pool's pages.
 
-Every page key is ``make_key(page_hash, namespace)`` with a namespace built from SGLang's storage
-config, the host pool's shape and the model identities. Pages go zero-copy from SGLang's host pool
-memory when the backend declares the pool's layout zero-copy, through a staging area otherwise.
+Each pool is a :class:`hicache_draft.binding.PoolBinding`, planned by the same code the controller
+and ``hicache-draft check`` use (:func:`~hicache_draft.integrations.sglang_pools.plan_pool`): its
+namespaces, split factor, I/O path, registration, page building and staging are the binding's; this
+module translates SGLang's calls, keys and results. A pool is held when its shape can be read
+(:func:`~hicache_draft.integrations.sglang_pools.host_pool_spec`) and the backend declares its
+component for its role; any other pool is logged once with the reason and answered as SGLang
+expects of a pool not held: its pages are not stored, and its ALL_PAGES pools give no hit.
 Nothing here raises into SGLang's I/O threads: every call SGLang makes answers ``False`` per page, a
 miss or an empty result on any error (logged once). Results are built for the installed release's
 own dataclass fields (0.5.18's ``PoolTransferResult`` has two, later ones three).
@@ -33,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import itertools
 import logging
 import re
 import threading
@@ -45,8 +51,9 @@ from typing import Any, TypeVar
 import torch
 
 from hicache_draft.backend import BackendContext
-from hicache_draft.capabilities import Attention, IOPath, PoolKind
-from hicache_draft.errors import BackendSetupError, ConfigError
+from hicache_draft.binding import Batch, PoolBinding, Staging, staging_pages, usable_hit
+from hicache_draft.capabilities import HitPolicy, IOPath, PoolKind
+from hicache_draft.errors import ConfigError
 from hicache_draft.integrations.sglang_config import (
     AdapterSettings,
     Placement,
@@ -56,18 +63,13 @@ from hicache_draft.integrations.sglang_config import (
 )
 from hicache_draft.integrations.sglang_loader import load_storage_module
 from hicache_draft.integrations.sglang_pools import (
-    PoolView,
-    Staging,
+    host_pool_arrays,
     host_pool_spec,
     legacy_draft_spec,
-    namespaces,
-    pool_path,
-    split_factor,
-    staging_pages,
+    plan_pool,
 )
 from hicache_draft.pools import HostPool, PoolSpec
 from hicache_draft.store import Store
-from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
 
 _sg = load_storage_module()
 HiCacheStorage = _sg.HiCacheStorage
@@ -82,7 +84,6 @@ STORAGE_BATCH_SIZE = int(getattr(_sg, "STORAGE_BATCH_SIZE", 128))
 log = logging.getLogger("hicache_draft.sglang")
 
 _HEX = re.compile(r"[0-9a-f]+")
-_POOL_OF_NAME = {"kv": PoolKind.KV, "draft": PoolKind.DRAFT}
 _RESULT_FIELDS = frozenset(f.name for f in dataclasses.fields(PoolTransferResult))
 _F = TypeVar("_F", bound=Callable[..., Any])
 _KEY_CACHE = 1 << 15
@@ -185,16 +186,16 @@ def page_groups(sglang_keys: Sequence[str], joined: str | None = None) -> list[s
     return [page_group(k) for k in sglang_keys]
 
 
-def split_generic_key(key: str) -> tuple[PoolKind | None, str]:
-    """``"{hash}"`` -> target, ``"{hash}.draft"`` -> draft, ``"{hash}.kv"`` -> target; other
-    pool suffixes -> ``None`` (a pool we do not hold)."""
+def split_generic_key(key: str) -> tuple[str, str]:
+    """``"{hash}"`` -> (``"kv"``, group), ``"{hash}.{pool}"`` -> (pool, group): SGLang's generic
+    keys (``HiCacheFile``'s ``{key}.{pool_name}``, the legacy ``{hash}.draft``)."""
     head, sep, tail = key.rpartition(".")
     if not sep:
         return PoolKind.KV, page_group(key)
-    return _POOL_OF_NAME.get(tail), page_group(head)
+    return tail, page_group(head)
 
 
-def split_generic_keys(keys: Sequence[str]) -> tuple[list[PoolKind | None], list[str]]:
+def split_generic_keys(keys: Sequence[str]) -> tuple[list[str], list[str]]:
     """:func:`split_generic_key` of every key, as (pools, groups); a batch without any ``"."``
     (target pages only, SGLang's usual batch) in whole-batch steps."""
     try:
@@ -211,16 +212,16 @@ def split_generic_keys(keys: Sequence[str]) -> tuple[list[PoolKind | None], list
 class _Job:
     """The pages of one pool in one adapter call: from host slots or from flat SGLang pages."""
 
-    view: PoolView
+    binding: PoolBinding
     groups: list[str]
     slots: list[int] | None = None
     flats: list[torch.Tensor] | None = None
-    raw: list[torch.Tensor] | None = None  # flats as 1-D bytes (one head part per page)
     keys: list[str] | None = None  # storage keys, page-major (else made from groups)
 
     @property
-    def staged(self) -> bool:
-        return self.slots is None or self.view.path is IOPath.GENERIC
+    def staging(self) -> Staging | None:
+        staged = self.slots is None or not self.binding.zero_copy
+        return self.binding.staging if staged else None
 
 
 CLEAR_UNSUPPORTED = (
@@ -247,7 +248,8 @@ class HiCacheDraftStorage(HiCacheStorage):
     """SGLang storage backend over a hicache-draft :class:`~hicache_draft.Store`.
 
     Built by SGLang as ``HiCacheDraftStorage(storage_config, kwargs)``; settings come from
-    ``storage_config.extra_config["hicache_draft"]`` (:class:`AdapterSettings`).
+    ``storage_config.extra_config["hicache_draft"]`` (:class:`AdapterSettings`). ``bindings``: every
+    pool SGLang registered that we could read, by SGLang's pool name (disabled ones say why).
     """
 
     def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
@@ -259,7 +261,9 @@ class HiCacheDraftStorage(HiCacheStorage):
         par = self.placement.parallel
         context = BackendContext(tp_rank=par.tp_rank, tp_size=par.tp_size, timeout_s=self.settings.timeout_s)
         self.store = Store.open(self.settings.backend, self.settings.backend_options, context)
-        self.views: dict[PoolKind, PoolView] = {}
+        self.bindings: dict[str, PoolBinding] = {}
+        self.sources: dict[str, Any] = {}  # pool name -> the SGLang host pool it reads
+        self.key_caches: dict[str, dict[str, str]] = {}  # pool name -> SGLang hash -> key
         self.mem_pool_host: Any = None
         self._lock = threading.Lock()
         self._logged: set[str] = set()
@@ -284,89 +288,59 @@ class HiCacheDraftStorage(HiCacheStorage):
         self._register(PoolKind.KV, pool_of_group(mem_pool_host))
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Extra host pools: ``PoolName.DRAFT`` becomes our draft pool; ``KV`` the target pool;
-        others are answered with misses."""
+        """Every other host pool SGLang registers (``KV`` again is the target pool): held when its
+        shape can be read and the backend declares its component; otherwise logged with why."""
         name = str(host_pool_name)
-        if name == str(PoolName.KV):
-            if self.views.get(PoolKind.KV) is None or self.views[PoolKind.KV].source is not host_pool:
-                self._register(PoolKind.KV, host_pool)
-        elif name == str(PoolName.DRAFT):
-            self._register(PoolKind.DRAFT, host_pool)
-        else:
-            log.info("hicache-draft: pool %r is not held by hicache-draft; its pages are misses", name)
+        if name == PoolKind.KV and self.sources.get(name) is host_pool:
+            return
+        self._register(name, host_pool)
 
     def on_host_pools_registered(self) -> None:
-        for kind, view in self.views.items():
-            log.info("hicache-draft: pool %s: %s (%s)", kind.value, view.path.value, view.reason)
+        for name, b in self.bindings.items():
+            log.info("hicache-draft: pool %s: %s (%s)", name, b.path.value, b.reason)
 
-    def _register(self, kind: PoolKind, host_pool: Any) -> None:
+    def _register(self, name: str, host_pool: Any) -> None:
         try:
-            spec = host_pool_spec(host_pool, kind)
-        except ConfigError as exc:
-            if kind is PoolKind.KV:
+            spec = host_pool_spec(host_pool, name)
+            host = HostPool.wrap_arrays(spec, host_pool_arrays(host_pool, spec))
+        except (ConfigError, ValueError) as exc:
+            if name == PoolKind.KV:
                 raise
-            log.warning("hicache-draft: %s pool offload disabled: %s", kind.value, exc)
+            log.warning("hicache-draft: pool %r is not held (its pages are not stored and an all_pages pool "
+                        "gives no hit): %s", name, exc)
             return
-        pool = HostPool.wrap(spec, host_pool.kv_buffer)
-        view = self._make_view(spec, pool, host_pool)
-        self.views[kind] = view
-        if kind is PoolKind.KV and self.settings.legacy_draft_pool is not None and PoolKind.DRAFT not in self.views:
-            dspec = legacy_draft_spec(self.settings.legacy_draft_pool, spec)
-            self.views[PoolKind.DRAFT] = self._make_view(dspec, None, None)
+        self.sources[name] = host_pool
+        self.bindings[name] = self._bind(spec, host)
+        if name == PoolKind.KV and self.settings.legacy_draft_pool is not None and PoolKind.DRAFT not in self.bindings:
+            self.bindings[PoolKind.DRAFT] = self._bind(legacy_draft_spec(self.settings.legacy_draft_pool, spec), None)
+
+    def _bind(self, spec: PoolSpec, host: HostPool | None) -> PoolBinding:
+        """Plan, stage and register one pool (the binding's rules; staging sized for SGLang's batch)."""
+        kv = self.bindings.get(PoolKind.KV)
+        kv_active = spec.kind == PoolKind.KV or (kv is not None and kv.active)
+        plan = plan_pool(spec, self.placement, self.store.capabilities, has_memory=host is not None,
+                         kv_active=kv_active)
+        staged = plan.path is IOPath.GENERIC or host is None or (spec.kind == PoolKind.KV and not self.interface_v1)
+        staging = None
+        if plan.path is not IOPath.DISABLED and staged:
+            staging = Staging(plan.spec.page_nbytes, staging_pages(plan.spec.page_nbytes, self.settings.staging_pages,
+                                                                  STORAGE_BATCH_SIZE))
+        binding = PoolBinding(plan, host, staging)
+        self.key_caches[binding.name] = {}
+        if not binding.register(self.store) and not binding.active:
+            log.warning("hicache-draft: pool %r is not held: %s", str(spec.kind), binding.reason)
+        return binding
+
+    def _binding(self, name: Any) -> PoolBinding | None:
+        b = self.bindings.get(str(name)) if name is not None else None
+        return b if b is not None and b.active else None
 
     @property
-    def _legacy_draft(self) -> PoolView | None:
+    def _legacy_draft(self) -> PoolBinding | None:
         """The draft pool known only from ``legacy_draft_pool`` (no registered memory): SGLang
         0.5.15-0.5.18 moves its pages as ``{hash}.draft`` flat pages."""
-        view = self._view(PoolKind.DRAFT)
-        return view if view is not None and view.pool is None else None
-
-    def _make_view(self, spec: PoolSpec, pool: HostPool | None, source: Any) -> PoolView:
-        caps = self.store.capabilities
-        split = split_factor(spec, self.placement, caps)
-        if self.placement.parallel.split_factor > 1 and split == 1 and spec.attention is Attention.MHA:
-            self._warn_once(
-                f"split:{spec.kind}", "hicache-draft: %s pool: head groups not split (backend %r declares "
-                "split_heads=%s, layout %s); pages are shared only with servers of the same tp_size",
-                spec.kind.value, self.store.name, caps.split_heads, spec.layout.value,
-            )
-        choice = pool_path(caps, spec, split, has_memory=pool is not None)
-        path, reason = choice.path, choice.reason
-        kv = self.views.get(PoolKind.KV)
-        if spec.kind is PoolKind.DRAFT and (kv is None or kv.path is IOPath.DISABLED):
-            path, reason = IOPath.DISABLED, "the target 'kv' pool is disabled, so nothing is offloaded"
-        view = PoolView(spec=spec, pool=pool, namespaces=namespaces(spec, self.placement, split), path=path,
-                        reason=reason, source=source)
-        if path is IOPath.DISABLED:
-            log.warning("hicache-draft: %s pool offload disabled: %s", spec.kind.value, reason)
-            return view
-        needs_staging = path is IOPath.GENERIC or (spec.kind is PoolKind.KV and not self.interface_v1)
-        if needs_staging or pool is None:
-            view.staging = Staging(spec.page_nbytes, self._staging_pages(spec))
-        zero_copy = path is IOPath.ZERO_COPY
-        registration = PoolRegistration(
-            pool=spec.kind,
-            attention=spec.attention,
-            layout=spec.layout,
-            namespace=view.namespaces[0],
-            page_nbytes=view.part_nbytes,
-            buffers_per_page=spec.buffers_per_page() if zero_copy else 1,
-            regions=pool.regions() if (zero_copy and pool is not None) else (),
-            staging=(view.staging.region(),) if view.staging is not None else (),
-        )
-        try:
-            self.store.register_pool(registration)
-        except BackendSetupError as exc:
-            log.warning("hicache-draft: %s pool offload disabled: %s", spec.kind.value, exc)
-            view.path, view.reason = IOPath.DISABLED, str(exc)
-        return view
-
-    def _staging_pages(self, spec: PoolSpec) -> int:
-        return staging_pages(spec.page_nbytes, self.settings.staging_pages, STORAGE_BATCH_SIZE)
-
-    def _view(self, kind: PoolKind | None) -> PoolView | None:
-        view = self.views.get(kind) if kind is not None else None
-        return view if view is not None and view.path is not IOPath.DISABLED else None
+        b = self._binding(PoolKind.DRAFT)
+        return b if b is not None and b.host is None else None
 
     # -- the page mover -----------------------------------------------------------------------
     def _run(self, op: str, jobs: Sequence[_Job]) -> list[list[bool]]:
@@ -374,7 +348,7 @@ class HiCacheDraftStorage(HiCacheStorage):
         out = [[False] * len(j.groups) for j in jobs]
         if not jobs or not any(j.groups for j in jobs):
             return out
-        stagings = {id(j.view.staging): j.view.staging for j in jobs if j.staged and j.view.staging is not None}
+        stagings = {id(s): s for s in (j.staging for j in jobs) if s is not None}
         total = max(len(j.groups) for j in jobs)
         chunk = min((s.pages for s in stagings.values()), default=total)
         for start in range(0, total, chunk):
@@ -395,54 +369,35 @@ class HiCacheDraftStorage(HiCacheStorage):
         return out
 
     def _run_chunk(self, op: str, jobs: Sequence[_Job], lo: int, hi: int, out: list[list[bool]]) -> None:
-        transfers: list[PageTransfer] = []
-        plans: list[tuple[int, _Job, int, int, list[tuple[tuple[Buffer], torch.Tensor]] | None]] = []
+        batches: list[tuple[int, int, int, Batch]] = []
         for ji, job in enumerate(jobs):
             end = min(hi, len(job.groups))
             if end <= lo:
                 continue
-            view = job.view
-            split = view.split
+            b = job.binding
             groups = job.groups[lo:end]
-            keys = view.keys(groups) if job.keys is None else job.keys[lo * split : end * split]
-            staged: list[tuple[tuple[Buffer], torch.Tensor]] | None = None
-            if job.staged:
-                assert view.staging is not None
-                staged = view.staging.parts(view.part_nbytes)[: len(keys)]
-                if op == "set":
-                    self._copy_out(job, lo, staged)
-                bufs: Sequence[tuple[Buffer, ...]] = [b for b, _ in staged]
+            keys = None if job.keys is None else job.keys[lo * b.split : end * b.split]
+            if job.slots is not None:
+                batch = b.slot_batch(groups, job.slots[lo:end], fill=op == "set", keys=keys)
             else:
-                assert job.slots is not None
-                bufs = view.slot_buffers.buffers(job.slots[lo:end])
-            if split == 1:
-                pages = list(map(Page, keys, groups, itertools.repeat(view.namespaces[0]), bufs))
-            else:
-                pages = list(map(Page, keys, [g for g in groups for _ in range(split)],
-                                 view.namespaces * len(groups), bufs))
-            transfers.append(PageTransfer(pool=view.kind, pages=pages, zero_copy=staged is None))
-            plans.append((ji, job, lo, end, staged))
-        if not transfers:
+                assert job.flats is not None
+                batch = b.flat_batch(groups, job.flats[lo:end], fill=op == "set", keys=keys)
+            batches.append((ji, lo, end, batch))
+        if not batches:
             return
+        transfers = [batch.transfer for *_, batch in batches]
         if op == "set":
             results, io_done = self.store.page_set_tracked(transfers)
         else:
             results, io_done = self.store.page_get(transfers)
-        ok_result = PageResult.OK
-        for ji, job, start, end, staged in plans:
-            got = results.get(job.view.kind, [])
-            split = job.view.split
-            n = end - start
-            if len(got) != n * split:
+        for ji, start, end, batch in batches:
+            b = batch.binding
+            got = results.get(b.name, [])
+            if len(got) != (end - start) * b.split:
                 continue  # the Store answers every page; anything else is a failure (already False)
-            if split == 1:
-                oks = [r is ok_result for r in got]
-            else:
-                oks = [all(r is ok_result for r in got[i * split : (i + 1) * split]) for i in range(n)]
-            if op == "get" and staged is not None:
-                self._copy_in(job, start, staged, oks)
-            out[ji][start:end] = oks
-        if not io_done.done() and any(t.zero_copy for t in transfers):
+            out[ji][start:end] = b.finish_get(batch, got) if op == "get" else b.page_oks(got)
+        zero_copy = [batch for *_, batch in batches if batch.zero_copy_slots]
+        if not io_done.done() and zero_copy:
             # SGLang reuses these host slots as soon as it sees the failure: give the abandoned call up
             # to timeout_s more to let go of them (this blocks only SGLang's I/O thread, bounded)
             with suppress(BaseException):
@@ -454,85 +409,49 @@ class HiCacheDraftStorage(HiCacheStorage):
                     self.store.name, "write into" if op == "get" else "read",
                 )
         if not io_done.done():  # this call timed out: the backend may still use its staging memory
-            for _, job, _, _, staged in plans:
-                if staged is not None and job.view.staging is not None:
+            for *_, batch in batches:
+                st = batch.binding.staging
+                if batch.staged and st is not None:
                     self._warn_once("staging:replaced", "hicache-draft: a backend call timed out; its staging "
                                     "memory is left to it and replaced by unregistered memory")
-                    job.view.staging.replace()
+                    st.replace()
 
-    @staticmethod
-    def _copy_out(job: _Job, lo: int, staged: Sequence[tuple[tuple[Buffer], torch.Tensor]]) -> None:
-        """Pages ``lo``... of the job into their staging pieces (page-major, head parts)."""
-        view, split = job.view, job.view.split
-        if job.raw is not None:  # flat pages of one part: their bytes are the page's bytes
-            assert view.staging is not None  # the pieces are the area's first ones, in order
-            n = len(staged)
-            torch.cat(job.raw[lo : lo + n], out=view.staging.tensor[: n * view.part_nbytes])
-            return
-        for n, (_, dst) in enumerate(staged):
-            i, part = lo + n // split, n % split
-            if job.slots is not None:
-                assert view.pool is not None
-                view.pool.copy_page_out(job.slots[i], dst, part, split)
-            else:
-                assert job.flats is not None
-                view.one_page(job.flats[i]).copy_page_out(0, dst, part, split)
-
-    @staticmethod
-    def _copy_in(
-        job: _Job, lo: int, staged: Sequence[tuple[tuple[Buffer], torch.Tensor]], oks: Sequence[bool]
-    ) -> None:
-        """The staging pieces of the pages that came back into their destinations."""
-        view, split = job.view, job.view.split
-        if job.raw is not None:
-            for (_, src), dst, ok in zip(staged, job.raw[lo:], oks, strict=False):
-                if ok:
-                    dst.copy_(src)
-            return
-        for n, (_, src) in enumerate(staged):
-            i, part = lo + n // split, n % split
-            if not oks[n // split]:
-                continue
-            if job.slots is not None:
-                assert view.pool is not None
-                view.pool.copy_page_in(job.slots[i], src, part, split)
-            else:
-                assert job.flats is not None
-                view.one_page(job.flats[i]).copy_page_in(0, src, part, split)
-
-    def _slot_job(self, view: PoolView | None, keys: Sequence[str], host_indices: Any) -> _Job | None:
+    def _slot_job(self, binding: PoolBinding | None, keys: Sequence[str], host_indices: Any) -> _Job | None:
         """A job over host slots (page ``i`` starts at ``host_indices[i * page_size]``); None if unusable."""
-        if view is None or view.pool is None or host_indices is None:
+        if binding is None or binding.host is None or host_indices is None:
             return None
-        ps = view.spec.page_size
+        ps = binding.spec.page_size
         idx = host_indices.tolist() if isinstance(host_indices, torch.Tensor) else list(host_indices)
         if len(idx) != len(keys) * ps:
-            self._warn_once(f"indices:{view.kind}", "hicache-draft: %s: %d host indices for %d pages of %d tokens",
-                            view.kind.value, len(idx), len(keys), ps)
+            self._warn_once(f"indices:{binding.name}", "hicache-draft: %s: %d host indices for %d pages of %d tokens",
+                            binding.name, len(idx), len(keys), ps)
             return None
         slots = idx[::ps] if isinstance(host_indices, torch.Tensor) else [int(s) for s in idx[::ps]]
         try:
-            view.slot_buffers.check(slots)
+            if binding.zero_copy:
+                binding.host.slot_buffers(binding.split).check(slots)
+            else:
+                for s in slots:
+                    binding.host.page_index(s)
         except ValueError as exc:
-            self._warn_once(f"slot:{view.kind}", "hicache-draft: %s: %s", view.kind.value, exc)
+            self._warn_once(f"slot:{binding.name}", "hicache-draft: %s: %s", binding.name, exc)
             return None
-        return _Job(view=view, groups=page_groups(keys), slots=slots, keys=self._hash_keys(view, keys))
+        return _Job(binding=binding, groups=page_groups(keys), slots=slots, keys=self._hash_keys(binding, keys))
 
-    @staticmethod
     def _hash_keys(
-        view: PoolView, hashes: Sequence[str], joined: str | None = None, remember: bool = True
+        self, binding: PoolBinding, hashes: Sequence[str], joined: str | None = None, remember: bool = True
     ) -> list[str]:
-        """``view.keys(page_groups(hashes))``, remembered per SGLang hash for one-part pools (up to
-        :data:`_KEY_CACHE` hashes) by the calls that move pages (``remember``), so that the hit
+        """``binding.keys(page_groups(hashes))``, remembered per SGLang hash for one-part pools (up
+        to :data:`_KEY_CACHE` hashes) by the calls that move pages (``remember``), so that the hit
         query for pages this server stored or restored is a dictionary lookup per page."""
-        if view.split != 1:
-            return view.keys(page_groups(hashes, joined))
-        cache = view.key_cache
+        if binding.split != 1:
+            return binding.keys(page_groups(hashes, joined))
+        cache = self.key_caches.setdefault(binding.name, {})
         try:
             return list(map(cache.__getitem__, hashes))
         except (KeyError, TypeError):
             pass
-        keys = view.keys(page_groups(hashes, joined))
+        keys = binding.keys(page_groups(hashes, joined))
         if remember:
             if len(cache) + len(keys) > _KEY_CACHE:
                 cache.clear()
@@ -542,15 +461,15 @@ class HiCacheDraftStorage(HiCacheStorage):
     # -- zero-copy v1 (target pages by host index) -----------------------------------------------
     @_never_raise(_all_false)
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        job = self._slot_job(self._view(PoolKind.KV), keys, host_indices)
+        job = self._slot_job(self._binding(PoolKind.KV), keys, host_indices)
         return self._run("set", [job])[0] if job else [False] * len(keys)
 
     @_never_raise(_all_false)
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        job = self._slot_job(self._view(PoolKind.KV), keys, host_indices)
+        job = self._slot_job(self._binding(PoolKind.KV), keys, host_indices)
         return self._run("get", [job])[0] if job else [False] * len(keys)
 
-    # -- v2 pool transfers (KV and DRAFT in one call) ---------------------------------------------
+    # -- v2 pool transfers (every pool of a call in one backend call) ------------------------------
     def _v2(self, op: str, transfers: list[Any]) -> dict[Any, list[bool]]:
         out: dict[Any, list[bool]] = {}
         jobs: list[_Job] = []
@@ -558,7 +477,11 @@ class HiCacheDraftStorage(HiCacheStorage):
         for t in transfers:
             keys = list(t.keys or [])
             out[t.name] = [False] * len(keys)
-            job = self._slot_job(self._view(_POOL_OF_NAME.get(str(t.name))), keys, t.host_indices)
+            binding = self._binding(t.name)
+            if binding is None:
+                self._warn_once(f"v2:{t.name}", "hicache-draft: pool %r is not held; its %s pages fail", str(t.name),
+                                op)
+            job = self._slot_job(binding, keys, t.host_indices)
             if job is not None:
                 jobs.append(job)
                 names.append(t.name)
@@ -574,119 +497,138 @@ class HiCacheDraftStorage(HiCacheStorage):
     def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
         return self._v2("get", transfers)
 
+    def _hit(self, keys: Sequence[str], pools: Sequence[tuple[PoolBinding | None, int | None]],
+             joined: str | None = None) -> tuple[int, dict[str, int]]:
+        """The usable hit (:func:`usable_hit`) for ``keys`` over the target KV and ``pools`` (our
+        binding, or None for a pool not held; the trailing window SGLang asks for, or None for
+        ALL_PAGES), with each pool's own boundary. A pool not held gives no hit: its pages could
+        not be restored."""
+        kv = self._binding(PoolKind.KV)
+        if kv is None:
+            return 0, {}
+        windows: dict[str, int] = {}
+        held = [kv]
+        for b, window in pools:
+            if b is None:
+                continue
+            held.append(b)
+            if b.spec.hit_policy is HitPolicy.TRAILING_PAGES:  # SGLang's all_pages: the whole prefix
+                windows[b.name] = window if window is not None else len(keys)
+        every = [b for b in held if b.spec.hit_policy is HitPolicy.ALL_PAGES]
+        counts = self.store.page_exists({b.name: self._hash_keys(b, keys, joined, False) for b in every})
+        prefix = {b.name: counts.get(b.name, 0) // b.split for b in every}
+
+        def window_stored(b: PoolBinding, end: int) -> int:
+            tail = list(keys[max(0, end - windows[b.name]) : end])[::-1]  # last page first
+            got = self.store.page_exists({b.name: self._hash_keys(b, tail, None, False)})
+            return got.get(b.name, 0) // b.split
+
+        hit = usable_hit(held, prefix, window_stored, limit=len(keys), windows=windows)
+        # as SGLang reports them: each pool's boundary within the target's stored prefix
+        kv_pages = hit.boundaries.get(kv.name, 0)
+        bounds = {name: min(n, kv_pages) for name, n in hit.boundaries.items()}
+        return (0 if any(b is None for b, _ in pools) else hit.pages), bounds
+
     @_never_raise(_no_hit)
     def batch_exists_v2(
         self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None
     ) -> Any:
-        """Longest stored target prefix, then each extra pool's rule; DRAFT (ALL_PAGES) shortens
-        the hit to the draft prefix; pools we do not hold give no hit."""
-        extra = [(t, _POOL_OF_NAME.get(str(t.name))) for t in pool_transfers or []]
-        queries: dict[PoolKind, list[str]] = {}
-        for kind in (PoolKind.KV, PoolKind.DRAFT):
-            view = self._view(kind)
-            if view is not None and (kind is PoolKind.KV or any(k is kind for _, k in extra)):
-                queries[kind] = self._hash_keys(view, keys, remember=False)
-        counts = self.store.page_exists(queries) if queries else {}
-
-        def pages(kind: PoolKind) -> int:
-            view = self._view(kind)
-            return counts.get(kind, 0) // view.split if view is not None else 0
-
-        kv_pages = pages(PoolKind.KV)
-        hit_count: dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
-        final = kv_pages
-        for t, kind in extra:
-            if str(getattr(t.hit_policy, "value", t.hit_policy)) == "block_groups":
+        """The usable hit over the target KV and every transfer's pool: ALL_PAGES pools over the
+        whole prefix, TRAILING_PAGES pools over their last ``len(transfer.keys)`` pages; a pool
+        we do not hold gives no hit if it is ALL_PAGES (its pages could not be restored)."""
+        pools: list[tuple[PoolBinding | None, int | None]] = []
+        trailing = False
+        for t in pool_transfers or []:
+            policy = str(getattr(t.hit_policy, "value", t.hit_policy))
+            if policy == "block_groups":
                 continue  # such a pool reports its own verdict and never gates the KV hit
-            boundary = min(pages(kind), kv_pages) if kind is not None else 0
-            # Pages are written prefix-first, so the stored prefix answers TRAILING_PAGES too
-            # (conservatively: a window past the prefix is not reported). Restorable prefixes are
-            # 1..n for every pool, so together they are 1..(the smallest boundary).
-            if boundary:
-                hit_count[t.name] = boundary
-            final = min(final, boundary)
-        return transfer_result(final, hit_count, list(range(1, final + 1)))
+            window = max(1, len(t.keys or ())) if policy == HitPolicy.TRAILING_PAGES else None
+            trailing = trailing or window is not None
+            binding = self._binding(t.name)
+            if binding is None:
+                self._warn_once(f"hit:{t.name}", "hicache-draft: pool %r is not held, so no prefix is "
+                                "restorable with it: no hit", str(t.name))
+            pools.append((binding, window))
+        final, bounds = self._hit(keys, pools)
+        hit_count: dict[Any, int] = {}
+        for name, pages in bounds.items():
+            if pages:
+                hit_count[PoolName(name) if name in PoolName._value2member_map_ else name] = pages
+        # every all_pages prefix up to the hit is restorable; with trailing pools only the hit
+        # itself was checked (a window below it may be missing), so only it is reported
+        restorable = [final] if final and trailing else list(range(1, final + 1))
+        return transfer_result(final, hit_count, restorable)
 
     @_never_raise(_constant(0))
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """Leading stored pages (target pages; ``{hash}.draft`` keys ask the draft pool).
+        """Leading stored pages (target pages; ``{hash}.{pool}`` keys ask that pool).
 
         With ``legacy_draft_pool`` set (SGLang 0.5.15-0.5.18, whose hit query asks for target keys
         only and then restores draft pages best-effort), the target hit is shortened to the stored
-        draft prefix: ``min(target, draft)``, so no restored prefix keeps stale draft KV."""
+        draft prefix, so no restored prefix keeps stale draft KV."""
         if not keys:
             return 0
         try:
             joined = "".join(keys)
         except TypeError:
             joined = "."
+        legacy = self._legacy_draft
         if "." not in joined:  # target page hashes only (SGLang's hit query)
-            view = self._view(PoolKind.KV)
-            if view is None:
-                return 0
-            legacy = self._legacy_draft
-            if legacy is None:
-                counts = self.store.page_exists({PoolKind.KV: self._hash_keys(view, keys, joined, False)})
-                return counts[PoolKind.KV] // view.split
-            pools = [view, legacy]
-            counts = self.store.page_exists({v.kind: self._hash_keys(v, keys, joined, False) for v in pools})
-            return min(counts.get(v.kind, 0) // v.split for v in pools)
-        kinds_of, groups = split_generic_keys(keys)
-        kinds = set(kinds_of)
-        if len(kinds) != 1:
+            return self._hit(keys, [(legacy, None)] if legacy else [], joined)[0]
+        names, groups = split_generic_keys(keys)
+        if len(set(names)) != 1:
             for i, k in enumerate(keys):
                 if not self.exists(k):
                     return i
             return len(keys)
-        kind = next(iter(kinds))
-        pools = [self._view(kind)]
-        if kind is PoolKind.KV and self._legacy_draft is not None:
-            pools.append(self._legacy_draft)
-        if pools[0] is None:
+        binding = self._binding(names[0])
+        if binding is None:
             return 0
-        queries = {v.kind: v.keys(groups) for v in pools if v}
-        counts = self.store.page_exists(queries)
-        return min(counts.get(v.kind, 0) // v.split for v in pools if v)
+        pools = [binding] + ([legacy] if legacy is not None and binding.name == PoolKind.KV else [])
+        counts = self.store.page_exists({b.name: b.keys(groups) for b in pools})
+        return usable_hit(pools, {b.name: counts.get(b.name, 0) // b.split for b in pools},
+                          lambda b, n: 0, limit=len(keys)).pages
 
     @_never_raise(_constant(False))
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     # -- SGLang's generic calls: flat data pages ------------------------------------------------
+    def _flat_binding(self, name: str) -> PoolBinding | None:
+        """The binding for generic pages of ``name``, with staging (a zero-copy pool reached by
+        generic calls gets unregistered staging once)."""
+        b = self._binding(name)
+        if b is not None and b.staging is None:
+            with self._lock:
+                if b.staging is None:
+                    nbytes = b.spec.page_nbytes
+                    b.staging = Staging(nbytes, staging_pages(nbytes, self.settings.staging_pages, STORAGE_BATCH_SIZE))
+        return b
+
     def _flat_jobs(
         self, keys: Sequence[str], flats: Sequence[torch.Tensor | None],
-        parsed: tuple[list[PoolKind | None], list[str]] | None = None,
+        parsed: tuple[list[str], list[str]] | None = None,
     ) -> tuple[list[_Job], list[list[int]]]:
         """Group ``keys`` by pool into jobs over flat pages; also each job's positions in ``keys``."""
-        kinds, groups = parsed if parsed is not None else split_generic_keys(keys)
-        by_kind: dict[PoolKind, tuple[_Job, list[int]]] = {}
-        for pos, (kind, group, flat) in enumerate(zip(kinds, groups, flats, strict=True)):
-            view = self._view(kind)
-            if view is not None and view.staging is None:
-                with self._lock:
-                    if view.staging is None:  # zero-copy pool reached by generic calls: unregistered staging
-                        view.staging = Staging(view.spec.page_nbytes, self._staging_pages(view.spec))
-            if view is None or flat is None:
-                self._warn_once(f"generic:{kind}", "hicache-draft: no usable pool for generic key %r", keys[pos])
+        names, groups = parsed if parsed is not None else split_generic_keys(keys)
+        by_name: dict[str, tuple[_Job, list[int]]] = {}
+        for pos, (name, group, flat) in enumerate(zip(names, groups, flats, strict=True)):
+            b = self._flat_binding(name)
+            if b is None or flat is None:
+                self._warn_once(f"generic:{name}", "hicache-draft: no usable pool for generic key %r", keys[pos])
                 continue
-            if flat.numel() * flat.element_size() != view.spec.page_nbytes:
-                self._warn_once(f"size:{kind}", "hicache-draft: flat %s page of %d bytes, expected %d",
-                                view.kind.value, flat.numel() * flat.element_size(), view.spec.page_nbytes)
+            if flat.numel() * flat.element_size() != b.spec.page_nbytes:
+                self._warn_once(f"size:{name}", "hicache-draft: flat %s page of %d bytes, expected %d",
+                                b.name, flat.numel() * flat.element_size(), b.spec.page_nbytes)
                 continue
-            entry = by_kind.get(view.kind)
+            entry = by_name.get(b.name)
             if entry is None:
-                entry = by_kind[view.kind] = (_Job(view=view, groups=[], flats=[]), [])
+                entry = by_name[b.name] = (_Job(binding=b, groups=[], flats=[]), [])
             entry[0].groups.append(group)
             assert entry[0].flats is not None
             entry[0].flats.append(flat)
             entry[1].append(pos)
-        jobs = [j for j, _ in by_kind.values()]
-        for job in jobs:
-            assert job.flats is not None
-            if job.view.split == 1 and all(f.is_contiguous() and f.device.type == "cpu" for f in job.flats):
-                # one part per page: a flat page's bytes in order are the page's stored bytes
-                job.raw = [f.view(-1).view(torch.uint8) for f in job.flats]
-        return jobs, [p for _, p in by_kind.values()]
+        return [j for j, _ in by_name.values()], [p for _, p in by_name.values()]
 
     @_never_raise(_constant(False))
     def batch_set(
@@ -711,15 +653,13 @@ class HiCacheDraftStorage(HiCacheStorage):
         tensor per key, or None for a page that did not come back."""
         parsed = split_generic_keys(keys)
         targets: list[torch.Tensor | None] = []
-        for i, kind in enumerate(parsed[0]):
+        for i, name in enumerate(parsed[0]):
             given = target_locations[i] if target_locations is not None and i < len(target_locations) else None
             if isinstance(given, torch.Tensor) and given.is_contiguous() and given.device.type == "cpu":
                 targets.append(given)
                 continue
-            view = self._view(kind)
-            targets.append(
-                torch.empty(view.spec.page_nbytes // view.spec.itemsize, dtype=view.spec.torch_dtype) if view else None
-            )
+            b = self._binding(name)
+            targets.append(torch.empty(b.spec.page_nbytes // b.spec.itemsize, dtype=b.spec.torch_dtype) if b else None)
         jobs, positions = self._flat_jobs(keys, targets, parsed)
         got: list[torch.Tensor | None] = [None] * len(keys)
         for pos, res in zip(positions, self._run("get", jobs), strict=True):

@@ -258,8 +258,8 @@ class _Case:
 
     def forget_keys(self) -> None:
         """Empty the adapter's key cache (the next query is one for hashes it never saw)."""
-        for view in self.adapter.views.values():
-            view.key_cache.clear()
+        for cache in self.adapter.key_caches.values():
+            cache.clear()
 
     # -- what each side is handed ---------------------------------------------------------------
     def _sidecars(self, keys: list[str], with_indices: bool) -> list[Any]:
@@ -272,7 +272,7 @@ class _Case:
         out = []
         kinds = [self._PoolKind.KV] + ([self._PoolKind.DRAFT] if self.path == "v2" else [])
         for kind in kinds:
-            view = self.adapter.views[kind]
+            view = self.adapter.bindings[kind]
             pages = []
             for i, key in enumerate(keys):
                 group = key.lower()
@@ -281,14 +281,14 @@ class _Case:
                     t = (self.flats if op == "set" else self.dummies)[i]
                     bufs: tuple[Any, ...] = (self._Buffer(t.data_ptr(), t.numel() * t.element_size(), owner=t),)
                 else:
-                    bufs = view.pool.page_buffers(self.slots[i])
+                    bufs = view.host.page_buffers(self.slots[i])
                 pages.append(self._Page(self._make_key(group, ns), group, ns, bufs))
             out.append(self._PageTransfer(kind, pages, self.path != "generic"))
         return out
 
     def store_queries(self, keys: list[str]) -> dict[Any, list[str]]:
         kinds = [self._PoolKind.KV] + ([self._PoolKind.DRAFT] if self.path == "v2" else [])
-        return {k: [self._make_key(key.lower(), self.adapter.views[k].namespaces[0]) for key in keys] for k in kinds}
+        return {k: [self._make_key(key.lower(), self.adapter.bindings[k].namespaces[0]) for key in keys] for k in kinds}
 
     # -- the calls, each returning whether every page went through ---------------------------------
     def adapter_call(self, op: str, keys: list[str]) -> Callable[[], bool]:

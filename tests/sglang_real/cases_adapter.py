@@ -511,10 +511,10 @@ def test_a_hung_backend_call_is_bounded_and_its_staging_is_abandoned():
     extra = extra_config("generic-only", {"space": secrets.token_hex(4)}, timeout_s=0.2)
     adapter = attach(build(extra), mha(seed=1))
     keys = hashes(1, salt=12)
-    registered = adapter.views[PoolKind.KV].staging.tensor
+    registered = adapter.bindings[PoolKind.KV].staging.tensor
     MemoryBackend.faults = Faults(delay_s={"page_get": 1.0})
     assert adapter.batch_get_v1(keys, indices([0])) == [False]
-    staging = adapter.views[PoolKind.KV].staging
+    staging = adapter.bindings[PoolKind.KV].staging
     assert staging is not None and staging.tensor is not registered  # abandoned to the late call
     MemoryBackend.faults = Faults()
     assert adapter.batch_set_v1(keys, indices([0])) == [True]  # the fresh staging works
@@ -553,7 +553,7 @@ def test_a_late_zero_copy_get_never_writes_after_sglang_got_its_answer():
     reader = attach(build(extra_config("memory", {"space": space}, timeout_s=0.25)), pool)
     from hicache_draft import IOPath
 
-    assert reader.views[PoolKind.KV].path is IOPath.ZERO_COPY
+    assert reader.bindings[PoolKind.KV].path is IOPath.ZERO_COPY
     MemoryBackend.faults = Faults(delay_s={"page_get": 0.4})  # past the deadline, within the grace
     before = hr.page_bytes(pool, 8)
     assert reader.batch_get_v1(keys, indices([8])) == [False]
@@ -569,7 +569,7 @@ def test_a_corrupt_page_is_a_miss_and_leaves_the_host_page_alone():
     adapter = attach(build(extra), mha(seed=1))
     keys = hashes(2, salt=13)
     assert adapter.batch_set_v1(keys, indices([0, 4])) == [True, True]
-    bad = make_key(keys[1], adapter.views[PoolKind.KV].namespaces[0])
+    bad = make_key(keys[1], adapter.bindings[PoolKind.KV].namespaces[0])
     MemoryBackend.faults = Faults(corrupt_get_keys={bad})
     pool = mha()
     before = hr.page_bytes(pool, 8)

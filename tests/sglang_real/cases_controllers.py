@@ -134,7 +134,7 @@ def test_detach_and_reattach_keeps_serving(tmp_path, rigs):
     assert rig.controller.storage_backend is None
     rig.attach()
     assert rig.adapter is not first and rig.threads_alive()
-    assert set(rig.adapter.views) == {k for k in first.views}  # KV and DRAFT registered again
+    assert set(rig.adapter.bindings) == set(first.bindings)  # KV and DRAFT registered again
     hit, dst, done = rig.prefetch(toks)
     assert (hit, done) == (12, 12)
     for pool in rig.pools:
@@ -326,7 +326,7 @@ def test_a_host_pool_group_attaches(tmp_path, rigs):
     """What ``register_mem_pool_host`` receives (0.5.18: the HostPoolGroup) resolves to its anchor."""
     rig = rigs(MHA_T, MHA_D, "page_first", h.extra_config(str(tmp_path / "kv")))
     passed = rig.adapter.mem_pool_host
-    assert rig.adapter.views[PoolKind.KV].source is rig.kv.host
+    assert rig.adapter.sources[PoolKind.KV] is rig.kv.host
     assert passed is rig.kv.host or getattr(passed, "anchor_entry", None) is not None
 
 

@@ -13,17 +13,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache_draft import Attention, Capabilities, IOPath, Layout, PoolCapability, PoolKind
+from hicache_draft.binding import staging_pages
 from hicache_draft.config import ParallelConfig
 from hicache_draft.errors import ConfigError
 from hicache_draft.integrations.sglang_config import Placement
-from hicache_draft.integrations.sglang_pools import (
-    host_pool_spec,
-    namespaces,
-    pool_path,
-    split_factor,
-    staging_pages,
-)
+from hicache_draft.integrations.sglang_pools import host_pool_arrays, host_pool_spec, plan_pool
 from hicache_draft.pools import HostPool, SlotBuffers
+
+ALL = Capabilities(pools={k: PoolCapability(attention=frozenset(Attention)) for k in PoolKind})
+
+
+def namespaces(spec, placement, caps=ALL):
+    return plan_pool(spec, placement, caps).namespaces
+
+
+def split_factor(spec, placement, caps):
+    return plan_pool(spec, placement, caps).split
+
+
+def pool_path(caps, spec, has_memory):
+    return plan_pool(spec, _placement(), caps, has_memory=has_memory)
 
 MHA_LAYOUTS, MLA_LAYOUTS = hr.MHA_LAYOUTS, hr.MLA_LAYOUTS
 CASES = [("mha", lay) for lay in MHA_LAYOUTS] + [("mla", lay) for lay in MLA_LAYOUTS]
@@ -163,8 +172,8 @@ def test_namespaces_differ_whenever_bytes_can_differ(a, b, kind_a, kind_b, rank_
                    heads=a["heads"], num_pages=1)
     pb = make_pool(b["attention"], b["layout"], layers=b["layers"], page_size=b["page_size"], dtype=b["dtype"],
                    heads=b["heads"], num_pages=1)
-    na = namespaces(host_pool_spec(pa, kind_a), _placement(tp_rank=rank_a, tp_size=2), 1)
-    nb = namespaces(host_pool_spec(pb, kind_b), _placement(tp_rank=rank_b, tp_size=2), 1)
+    na = namespaces(host_pool_spec(pa, kind_a), _placement(tp_rank=rank_a, tp_size=2))
+    nb = namespaces(host_pool_spec(pb, kind_b), _placement(tp_rank=rank_b, tp_size=2))
     # MLA pools have no heads and are rank-replicated: their keys ignore head count and TP rank.
     def shape(p):
         return {k: v for k, v in p.items() if not (p["attention"] == "mla" and k == "heads")}
@@ -175,10 +184,10 @@ def test_namespaces_differ_whenever_bytes_can_differ(a, b, kind_a, kind_b, rank_
 
 def test_draft_and_target_namespaces_never_collide_and_models_count():
     pool = make_pool("mha", "page_first")
-    target = namespaces(host_pool_spec(pool, PoolKind.KV), _placement(), 1)
-    draft = namespaces(host_pool_spec(pool, PoolKind.DRAFT), _placement(), 1)
-    other_model = namespaces(host_pool_spec(pool, PoolKind.KV), _placement(model="other"), 1)
-    other_pp = namespaces(host_pool_spec(pool, PoolKind.KV), _placement(pp_rank=1, pp_size=2), 1)
+    target = namespaces(host_pool_spec(pool, PoolKind.KV), _placement())
+    draft = namespaces(host_pool_spec(pool, PoolKind.DRAFT), _placement())
+    other_model = namespaces(host_pool_spec(pool, PoolKind.KV), _placement(model="other"))
+    other_pp = namespaces(host_pool_spec(pool, PoolKind.KV), _placement(pp_rank=1, pp_size=2))
     assert len({target, draft, other_model, other_pp}) == 4
 
 
@@ -190,10 +199,10 @@ def test_split_heads_namespaces_are_shared_across_tp_sizes():
     wplace = _placement(tp_rank=1, tp_size=2, lcm=4)
     split = split_factor(wspec, wplace, caps)
     assert split == 2
-    wns = namespaces(wspec, wplace, split)
+    wns = namespaces(wspec, wplace, caps)
     reader = make_pool("mha", "page_head", heads=2)
     rspec = host_pool_spec(reader, PoolKind.KV)
-    readers = [namespaces(rspec, _placement(tp_rank=r, tp_size=4, lcm=4), 1)[0] for r in (2, 3)]
+    readers = [namespaces(rspec, _placement(tp_rank=r, tp_size=4, lcm=4), caps)[0] for r in (2, 3)]
     assert list(wns) == readers
     no_caps = caps.model_copy(update={"split_heads": False})
     assert split_factor(wspec, wplace, no_caps) == 1
@@ -209,15 +218,57 @@ def test_path_is_chosen_from_capabilities_only():
         return Capabilities(pools=pools)
 
     mha = frozenset({Attention.MHA})
-    assert pool_path(caps(), spec, 1, True).path is IOPath.DISABLED
-    assert pool_path(caps(attention=frozenset({Attention.MLA})), spec, 1, True).path is IOPath.DISABLED
+    assert pool_path(caps(), spec, True).path is IOPath.DISABLED
+    assert pool_path(caps(attention=frozenset({Attention.MLA})), spec, True).path is IOPath.DISABLED
     zc = caps(attention=mha, zero_copy_layouts=frozenset({Layout.LAYER_FIRST}))
-    assert pool_path(zc, spec, 1, True).path is IOPath.ZERO_COPY
-    assert pool_path(zc, spec, 1, False).path is IOPath.GENERIC
+    assert pool_path(zc, spec, True).path is IOPath.ZERO_COPY
+    assert pool_path(zc, spec, False).path is IOPath.GENERIC
     few = caps(attention=mha, zero_copy_layouts=frozenset({Layout.LAYER_FIRST}), max_buffers_per_page=2)
-    assert pool_path(few, spec, 1, True).path is IOPath.GENERIC  # 2 * 3 layers buffers > 2
+    assert pool_path(few, spec, True).path is IOPath.GENERIC  # 2 * 3 layers buffers > 2
     only_zc = caps(attention=mha, zero_copy_layouts=frozenset({Layout.PAGE_FIRST}), generic=False)
-    assert pool_path(only_zc, spec, 1, True).path is IOPath.DISABLED
+    assert pool_path(only_zc, spec, True).path is IOPath.DISABLED
     only_zc_lf = caps(attention=mha, zero_copy_layouts=frozenset({Layout.LAYER_FIRST}), generic=False)
-    assert pool_path(only_zc_lf, spec, 1, True).path is IOPath.ZERO_COPY
-    assert pool_path(only_zc_lf, spec, 1, False).path is IOPath.DISABLED  # flat pages only
+    assert pool_path(only_zc_lf, spec, True).path is IOPath.ZERO_COPY
+    assert pool_path(only_zc_lf, spec, False).path is IOPath.DISABLED  # flat pages only
+
+
+# -- DSA indexer pools (row geometry) -----------------------------------------------------------------
+
+
+def make_indexer(layout: str, *, layers: int = 2, seed: int = 0):
+    """SGLang's ``DSAIndexerPoolHost`` laid out on its MLA anchor (64-token pages, as DSA demands)."""
+    with hr.parallel():
+        device = hr.dsa_device_pool(hr.Shape("mla", layers), 4 * hr.DSA_PAGE_SIZE, hr.DSA_PAGE_SIZE)
+        pool = hr.indexer_host_pool(device, hr.host_pool(device, layout))
+    hr.fill_random(pool, seed)
+    return pool
+
+
+@pytest.mark.parametrize("layout", MLA_LAYOUTS)
+@pytest.mark.parametrize("pool_name", ["indexer", "draft_indexer"])
+def test_indexer_spec_is_rows_of_sglangs_page_stride_and_pages_are_its_flat_pages(layout, pool_name):
+    pool = make_indexer(layout, seed=5)
+    spec = host_pool_spec(pool, pool_name)
+    assert (spec.attention, spec.rows, spec.layers, spec.page_size, spec.dtype, spec.layout.value) == (
+        None, (pool.indexer_page_stride_size,), pool.layer_num, pool.page_size, "uint8", layout)
+    assert spec.role is (PoolKind.KV if pool_name == "indexer" else PoolKind.DRAFT)
+    view = HostPool.wrap_arrays(spec, host_pool_arrays(pool, spec))
+    ps = pool.page_size
+    for slot in (0, ps, 2 * ps):
+        assert view.page_bytes(slot) == hr.page_bytes(pool, slot)
+        assert b"".join(bytes(b.view()) for b in view.page_buffers(slot)) == hr.page_bytes(pool, slot)
+    if layout != "layer_first":  # SGLang has zero-copy metadata for page_first* only
+        slots = [0, 2 * ps]
+        ptrs, sizes = pool.get_page_buffer_meta(torch.cat([torch.arange(s, s + ps) for s in slots]))
+        assert view.page_buffer_meta(slots) == (ptrs, sizes)
+
+
+def test_pools_whose_shape_we_cannot_read_are_refused_by_name():
+    with pytest.raises(ConfigError, match="does not know"):
+        host_pool_spec(make_pool("mha", "page_first"), "deepseek_v4_c4")
+    with pytest.raises(ConfigError, match="'state' pools is not supported"):
+        host_pool_spec(make_pool("mha", "page_first"), "mamba")
+    indexer = make_indexer("page_first")
+    indexer.index_k_with_scale_buffer = None
+    with pytest.raises(ConfigError, match="index_k_with_scale_buffer"):
+        host_pool_spec(indexer, "indexer")

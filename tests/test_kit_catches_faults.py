@@ -2,8 +2,8 @@
 
 Every faulty backend below is the in-memory test backend with ONE fault, in the target ``kv`` pool
 only (the kit used to run most cases on the first declared pool, which sorts as ``draft``, so
-kv-only faults passed). For each, running the kit must fail the named case; the honest backend
-passes every case.
+kv-only faults passed), or, for open pools, in how pools of one role are told apart. For each,
+running the kit must fail the named case; the honest backend passes every case.
 """
 
 from __future__ import annotations
@@ -163,6 +163,61 @@ class IgnoresDeadline(MemoryBackend):
         return {t.pool: [self._read_one(t.pool, p) for p in t.pages] for t in transfers}
 
 
+class RegistrationsByRole(MemoryBackend):
+    """Keeps one registration per role (as when a role was a pool) and files every page under its
+    group and that registration's namespace, ignoring the pool's name: the last pool registered
+    for a role takes over the role's pages, so a kv read finds the indexer page of its prefix."""
+
+    def __init__(self, options, context) -> None:
+        super().__init__(options, context)
+        self.ns_of: dict[PoolKind, str] = {}
+        self.role_of: dict[str, PoolKind] = {}
+
+    @hookimpl
+    def register_pool(self, registration) -> None:
+        self.check_registration(registration)
+        self.ns_of[registration.role] = registration.namespace
+        self.role_of[str(registration.pool)] = registration.role
+
+    def _slot(self, pool: str, key: str) -> str:
+        role = self.role_of.get(str(pool), KV)
+        return f"{key.split('.')[0]}.{self.ns_of.get(role, '')}"
+
+    @hookimpl
+    def page_set(self, transfers: Sequence[PageTransfer]) -> dict[str, list[PageResult]]:
+        for t in transfers:
+            for p in t.pages:
+                with self.lock:
+                    self.data[self._slot(t.pool, p.key)] = bytes(p.header.view()) + b"".join(
+                        bytes(b.view()) for b in p.buffers)
+        return {t.pool: [PageResult.OK] * len(t.pages) for t in transfers}
+
+    @hookimpl
+    def page_get(self, transfers: Sequence[PageTransfer]) -> dict[str, list[PageResult]]:
+        out = {}
+        for t in transfers:
+            res = []
+            for p in t.pages:
+                with self.lock:
+                    blob = self.data.get(self._slot(t.pool, p.key))
+                if blob is None:
+                    res.append(PageResult.MISS)
+                else:  # sizes checked: this backend's one fault is the pool name
+                    res.append(_fill_what_fits(p, blob) if len(blob) == HEADER_SIZE + p.nbytes else PageResult.CORRUPT)
+            out[t.pool] = res
+        return out
+
+    @hookimpl
+    def page_exists(self, queries: Mapping[str, Sequence[str]]) -> dict[str, int]:
+        out = {}
+        for pool, keys in queries.items():
+            n = 0
+            while n < len(keys) and self._slot(pool, keys[n]) in self.data:
+                n += 1
+            out[pool] = n
+        return out
+
+
 FAULTS: list[tuple[type[MemoryBackend], str]] = [
     (IgnoresNamespace, "test_keys_are_isolated_between_pools_ranks_and_namespaces"),
     (PhantomZeros, "test_missing_pages_are_misses_in_a_mixed_batch"),
@@ -173,6 +228,8 @@ FAULTS: list[tuple[type[MemoryBackend], str]] = [
     (ExistsIgnoresNamespace, "test_exists_never_claims_another_namespace_or_pool"),
     (OwnHeader, "test_a_late_write_of_reused_memory_is_never_served"),
     (IgnoresDeadline, "test_a_call_past_its_deadline_returns_promptly"),
+    (RegistrationsByRole, "test_pools_of_one_prefix_never_see_each_other"),
+    (RegistrationsByRole, "test_all_pools_of_a_prefix_in_one_call"),
 ]
 
 

@@ -11,21 +11,23 @@ import_torch()  # quietly, before the modules that need it
 
 from hicache_draft.testing.memory import Faults, MemoryBackend  # noqa: E402
 from hicache_draft.testing.suite import (  # noqa: E402
+    KIT_POOLS,
     Case,
     ConformanceSuite,
+    KitPool,
     PoolRig,
     declared_cases,
     make_spec,
-    namespace_for,
 )
 
 __all__ = [
+    "KIT_POOLS",
     "Case",
     "ConformanceSuite",
     "Faults",
+    "KitPool",
     "MemoryBackend",
     "PoolRig",
     "declared_cases",
     "make_spec",
-    "namespace_for",
 ]

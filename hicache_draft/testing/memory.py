@@ -18,7 +18,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from hicache_draft.backend import BackendContext, StorageBackend
-from hicache_draft.capabilities import Attention, Capabilities, Layout, PoolCapability, PoolKind
+from hicache_draft.capabilities import Attention, Capabilities, Component, Layout, PoolCapability, PoolKind
 from hicache_draft.hookspecs import API_VERSION, hookimpl
 from hicache_draft.page_format import HEADER_SIZE, PageFormatError, make_header, parse_header, verify_payload
 from hicache_draft.transfer import Page, PageResult, PageTransfer
@@ -34,8 +34,8 @@ class Faults:
     fail_set_keys: set[str] = field(default_factory=set)
     fail_get_keys: set[str] = field(default_factory=set)
     corrupt_get_keys: set[str] = field(default_factory=set)
-    fail_get_positions: dict[PoolKind, set[int]] = field(default_factory=dict)
-    fail_set_positions: dict[PoolKind, set[int]] = field(default_factory=dict)
+    fail_get_positions: dict[str, set[int]] = field(default_factory=dict)
+    fail_set_positions: dict[str, set[int]] = field(default_factory=dict)
     raise_on: set[str] = field(default_factory=set)  # hook names that raise
     delay_s: dict[str, float] = field(default_factory=dict)  # hook name -> sleep
     wrong_length: set[str] = field(default_factory=set)  # hook names returning short result lists
@@ -51,21 +51,24 @@ def all_layouts() -> frozenset[Layout]:
 
 
 class MemoryBackend(StorageBackend):
-    """Everything declared: both pools, both attention types, every layout zero-copy, generic,
+    """Everything declared: both roles, every component (pages are keyed by their full key, so
+    pools of any name are kept apart), both attention types, every layout zero-copy, generic,
     split heads. Tests subclass it with narrower ``capabilities`` to exercise path choice."""
 
     api_version: ClassVar[int] = API_VERSION
     capabilities: ClassVar[Capabilities] = Capabilities(
         pools={
-            PoolKind.KV: PoolCapability(attention=frozenset(Attention), zero_copy_layouts=all_layouts()),
-            PoolKind.DRAFT: PoolCapability(attention=frozenset(Attention), zero_copy_layouts=all_layouts()),
+            role: PoolCapability(
+                attention=frozenset(Attention), components=frozenset(Component), zero_copy_layouts=all_layouts()
+            )
+            for role in PoolKind
         },
         split_heads=True,
         persistent=True,
     )
     Options: ClassVar[type[BaseModel]] = MemoryOptions
     faults: ClassVar[Faults] = Faults()
-    calls: ClassVar[list[tuple[str, dict[PoolKind, int]]]] = []
+    calls: ClassVar[list[tuple[str, dict[str, int]]]] = []
 
     def __init__(self, options: BaseModel, context: BackendContext) -> None:
         super().__init__(options, context)
@@ -92,11 +95,11 @@ class MemoryBackend(StorageBackend):
             raise RuntimeError(f"injected failure in {hook}")
 
     @hookimpl
-    def page_set(self, transfers: Sequence[PageTransfer]) -> dict[PoolKind, list[PageResult]]:
+    def page_set(self, transfers: Sequence[PageTransfer]) -> dict[str, list[PageResult]]:
         type(self).calls.append(("page_set", {t.pool: len(t.pages) for t in transfers}))
         self._maybe("page_set")
         f = type(self).faults
-        out: dict[PoolKind, list[PageResult]] = {}
+        out: dict[str, list[PageResult]] = {}
         for t in transfers:
             res = []
             for i, page in enumerate(t.pages):
@@ -114,7 +117,7 @@ class MemoryBackend(StorageBackend):
             out[t.pool] = res[:-1] if "page_set" in f.wrong_length else res
         return out
 
-    def _read_one(self, pool: PoolKind, page: Page) -> PageResult:
+    def _read_one(self, pool: str, page: Page) -> PageResult:
         with self.lock:
             blob = self.data.get(page.key)
         if blob is None:
@@ -136,11 +139,11 @@ class MemoryBackend(StorageBackend):
         return PageResult.OK
 
     @hookimpl
-    def page_get(self, transfers: Sequence[PageTransfer]) -> dict[PoolKind, list[PageResult]]:
+    def page_get(self, transfers: Sequence[PageTransfer]) -> dict[str, list[PageResult]]:
         type(self).calls.append(("page_get", {t.pool: len(t.pages) for t in transfers}))
         self._maybe("page_get")
         f = type(self).faults
-        out: dict[PoolKind, list[PageResult]] = {}
+        out: dict[str, list[PageResult]] = {}
         for t in transfers:
             res = []
             for i, page in enumerate(t.pages):
@@ -152,7 +155,7 @@ class MemoryBackend(StorageBackend):
         return out
 
     @hookimpl
-    def page_exists(self, queries: Mapping[PoolKind, Sequence[str]]) -> dict[PoolKind, int]:
+    def page_exists(self, queries: Mapping[str, Sequence[str]]) -> dict[str, int]:
         type(self).calls.append(("page_exists", {p: len(k) for p, k in queries.items()}))
         self._maybe("page_exists")
         out = {}

@@ -132,7 +132,8 @@ class BindingPlan:
     def as_dict(self) -> dict[str, object]:
         s = self.spec
         return {
-            "path": self.path.value, "reason": self.reason, "role": s.role.value, "component": s.component.value,
+            "path": self.path.value, "reason": self.reason,
+            "role": "draft" if s.role is PoolKind.DRAFT else "target", "component": s.component.value,
             "hit_policy": s.hit_policy.value, "split": self.split, "writer": self.writer,
         }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import click
@@ -17,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hicache_draft.bench.command import bench
-from hicache_draft.capabilities import IOPath
+from hicache_draft.capabilities import Attention, IOPath, Layout, PoolKind
 from hicache_draft.config import Config, load_config
 from hicache_draft.demo.command import demo
 from hicache_draft.errors import ConfigError, HiCacheDraftError, PluginError
@@ -137,13 +138,72 @@ def check_report(config: Config) -> dict[str, Any]:
     }
 
 
+def sglang_check_report(config: Config, extra_config: dict[str, Any]) -> dict[str, Any]:
+    """What ``check --sglang-extra-config`` reports: each pool's plan as the SGLang adapter makes it
+    for this deployment (backend, options and identities from the extra-config's ``hicache_draft``
+    object, ranks and pool shapes from ``config``), with the adapter's own planning call."""
+    from types import SimpleNamespace
+
+    from hicache_draft.integrations.sglang_config import parse_settings, placement
+    from hicache_draft.integrations.sglang_pools import legacy_draft_spec, plan_pool
+    from hicache_draft.paths import pool_specs
+    from hicache_draft.store import validate_options
+
+    settings = parse_settings(extra_config)
+    info = get_backend(settings.backend)
+    assert info.capabilities is not None and info.cls is not None
+    validate_options(info.name, info.cls, settings.backend_options)
+    par, specs = config.parallel, pool_specs(config)
+    kv = specs[PoolKind.KV]
+    split = bool(par.tp_lcm_size and par.tp_lcm_size > par.tp_size and kv.attention is Attention.MHA
+                 and kv.layout is Layout.PAGE_HEAD)  # SGLang's should_split_heads
+    where = placement(SimpleNamespace(
+        tp_rank=par.tp_rank, tp_size=par.tp_size, pp_rank=par.pp_rank, pp_size=par.pp_size,
+        model_name=config.namespace.model, should_split_heads=split, tp_lcm_size=par.tp_lcm_size,
+    ), settings)
+    memory = {name: True for name in specs}
+    if settings.legacy_draft_pool is not None:
+        specs[PoolKind.DRAFT] = legacy_draft_spec(settings.legacy_draft_pool, kv)
+        memory[PoolKind.DRAFT] = False
+    pools: dict[str, Any] = {}
+    kv_active = True
+    for name, spec in specs.items():
+        plan = plan_pool(spec, where, info.capabilities, has_memory=memory[name], kv_active=kv_active)
+        kv_active = kv_active and (name != PoolKind.KV or plan.path is not IOPath.DISABLED)
+        pools[str(name)] = {**plan.as_dict(), "namespaces": list(plan.namespaces)}
+    return {
+        "backend": info.name, "backend_default": settings.backend is None, "distribution": info.distribution,
+        "capabilities": info.capabilities.summary(), "pools": pools, "sglang": True,
+        "model": where.model, "draft_model": where.draft_model, "split_heads": split,
+    }
+
+
+def _extra_config(text: str) -> dict[str, Any]:
+    raw = text
+    if text.startswith("@"):
+        try:
+            raw = Path(text[1:]).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read SGLang extra-config {text[1:]!r}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"SGLang extra-config is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("SGLang extra-config must be a JSON object")
+    return data
+
+
 @main.command()
 @click.argument("config_path", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
-def check(config_path: str, as_json: bool) -> None:
+@click.option("--sglang-extra-config", "sglang_extra", default=None, metavar="JSON|@FILE",
+              help="Plan as the SGLang adapter would, for the --hicache-storage-backend-extra-config given "
+              "(pool shapes and ranks from CONFIG_PATH).")
+def check(config_path: str, as_json: bool, sglang_extra: str | None) -> None:
     """Validate CONFIG_PATH and say which I/O path each pool takes, and why (no store needed)."""
     config = load_config(config_path)
-    report = check_report(config)
+    report = check_report(config) if sglang_extra is None else sglang_check_report(config, _extra_config(sglang_extra))
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

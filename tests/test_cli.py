@@ -178,3 +178,51 @@ def test_importing_the_package_changes_no_process_wide_state():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "Failed to initialize NumPy" not in proc.stderr
+
+
+SPLIT_CONFIG = """
+[namespace]
+model = "meta-llama/Llama-3.1-8B-Instruct"
+page_size = 16
+[parallel]
+tp_rank = 1
+tp_size = 2
+tp_lcm_size = 4
+[target]
+attention = "mha"
+layers = 2
+kv_heads = 4
+head_dim = 8
+layout = "page_head"
+[[pools]]
+name = "swa"
+attention = "mha"
+kv_heads = 4
+head_dim = 8
+layers = 1
+window_pages = 4
+"""
+
+
+def test_check_plans_an_sglang_deployment_as_the_adapter_does(tmp_path, memory_backend):
+    """`check --sglang-extra-config`: the adapter's identities (draft model from SGLang's model name), its
+    legacy flat draft pages (generic: no registered memory) and the one split-heads policy."""
+    cfg = tmp_path / "sglang.toml"
+    cfg.write_text(SPLIT_CONFIG)
+    extra = {"backend_name": "hicache_draft", "interface_v1": True, "hicache_draft": {
+        "backend": "memory", "backend_options": {"space": "cli-sglang"},
+        "legacy_draft_pool": {"attention": "mha", "layers": 1, "kv_heads": 4, "head_dim": 8}}}
+    res = CliRunner().invoke(main, ["check", str(cfg), "--json", "--sglang-extra-config", json.dumps(extra)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["sglang"] and report["split_heads"]
+    assert report["draft_model"] == "meta-llama/Llama-3.1-8B-Instruct#draft"
+    kv, draft, swa = report["pools"]["kv"], report["pools"]["draft"], report["pools"]["swa"]
+    assert (kv["path"], kv["split"], len(kv["namespaces"])) == ("zero_copy", 2, 2)
+    assert draft["path"] == "generic" and "flat pages" in draft["reason"]
+    assert (swa["role"], swa["component"], swa["hit_policy"], swa["split"]) == ("target", "window", "trailing_pages", 2)
+    wide = CliRunner(env={"COLUMNS": "200"})
+    text = wide.invoke(main, ["check", str(cfg), "--sglang-extra-config", json.dumps(extra)])
+    assert text.exit_code == 0 and "window, trailing_pages" in text.output
+    bad = CliRunner().invoke(main, ["check", str(cfg), "--sglang-extra-config", '{"hicache_draft": {"nope": 1}}'])
+    assert bad.exit_code == 2 and "hicache_draft.nope" in bad.output

@@ -75,6 +75,7 @@ from hicache_draft import (
     BackendSetupError,
     Buffer,
     Capabilities,
+    Component,
     Layout,
     Page,
     PageFormatError,
@@ -108,7 +109,7 @@ from hicache_draft_file.options import FileOptions
 from hicache_draft_file.region_views import RegionViews, SliceViews
 from hicache_draft_file.root_setup import prepare_root
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry, ident, pid_alive
-from hicache_draft_file.segment_format import SegmentError, read_index
+from hicache_draft_file.segment_format import SegmentError, read_index, storable_pool
 from hicache_draft_file.segment_writer import claim_file, write_segment
 from hicache_draft_file.vectored_io import IOV_MAX, preadv_all
 
@@ -136,6 +137,7 @@ _FAILED = PageResult.FAILED
 
 _POOL_CAP = PoolCapability(
     attention=frozenset({Attention.MHA, Attention.MLA}),
+    components=frozenset(Component),  # a record is any bytes under its key: every pool of any name
     zero_copy_layouts=frozenset(Layout),
     generic=True,
     max_buffers_per_page=None,
@@ -143,11 +145,11 @@ _POOL_CAP = PoolCapability(
 
 
 # A page to read: (record offset in its segment, payload bytes, pool, index in the call, page).
-_Item = tuple[int, int, PoolKind, int, Page]
-_Finished = Callable[[PoolKind, Iterable[int]], None]
+_Item = tuple[int, int, str, int, Page]
+_Finished = Callable[[str, Iterable[int]], None]
 
 
-def _not_told(pool: PoolKind, indices: Iterable[int]) -> None:
+def _not_told(pool: str, indices: Iterable[int]) -> None:
     """``finished`` of a caller that does not want to hear (a direct hook call)."""
 
 
@@ -160,7 +162,7 @@ class _SegRead:
     seg: Segment
     handle: _Handle
     items: list[_Item]
-    bad: list[tuple[PoolKind, int, str]] = field(default_factory=list)
+    bad: list[tuple[str, int, str]] = field(default_factory=list)
     any_ok: bool = False
     error: OSError | None = None
 
@@ -221,7 +223,7 @@ class FileBackend(StorageBackend):
         self.writable = not options.read_only
         self.stats = FileStats()
         self.catalog = Catalog()
-        self.registrations: dict[PoolKind, PoolRegistration] = {}
+        self.registrations: dict[str, PoolRegistration] = {}
         self._regions = RegionViews()  # views of the registered pools' memory (reads slice them)
         self._lock = threading.RLock()  # catalog, handles, journal offset
         self._fs_lock = threading.Lock()  # serialises this process's use of the root flock
@@ -473,9 +475,9 @@ class FileBackend(StorageBackend):
     # -- the contract ------------------------------------------------------------------------
     @hookimpl
     def register_pool(self, registration: PoolRegistration) -> None:
-        cap = self.capabilities.pools.get(registration.pool)
-        if cap is None or registration.attention not in cap.attention:
-            raise ValueError(f"file backend does not hold {registration.attention.value} pool {registration.pool}")
+        self.check_registration(registration)
+        if not storable_pool(registration.pool):
+            raise ValueError(f"file backend cannot name pool {registration.pool!r} in its segments")
         with self._lock:
             self.registrations[registration.pool] = registration
             self._regions = RegionViews(
@@ -483,18 +485,18 @@ class FileBackend(StorageBackend):
             )
 
     @hookimpl
-    def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
+    def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[str, list[PageResult]]:
         results = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         if not self.writable:
             self._log_once("ro", "file backend: root %s is open read-only; page_set stores nothing", self.root)
             return results
         self._poll()
-        groups: dict[str, list[tuple[PoolKind, int, Page]]] = defaultdict(list)
+        groups: dict[str, list[tuple[str, int, Page]]] = defaultdict(list)
         sizes: dict[str, int] = defaultdict(int)  # bytes of each group's records
         for t in transfers:
             pool = t.pool
-            if pool not in self.capabilities.pools:
-                self._log_once(f"pool:{pool}", "file backend: unknown pool %r; pages failed", pool)
+            if not storable_pool(pool):
+                self._log_once(f"pool:{pool}", "file backend: pool name %r cannot be stored; pages failed", pool)
                 continue
             for i, page in enumerate(t.pages):
                 key, group = page.key, page.group
@@ -520,7 +522,7 @@ class FileBackend(StorageBackend):
 
         published: list[str] = []  # this call's segments: never evicted by its own eviction
 
-        def write(share: list[tuple[list[tuple[PoolKind, int, Page]], int]]) -> None:
+        def write(share: list[tuple[list[tuple[str, int, Page]], int]]) -> None:
             for batch, size in share:
                 if time.monotonic() > deadline:
                     self._log_once("set:deadline", "file backend: page_set ran past its deadline; pages failed")
@@ -568,13 +570,13 @@ class FileBackend(StorageBackend):
             if (exc := f.exception()) is not None:
                 raise exc
 
-    def _all_stored(self, items: list[tuple[PoolKind, int, Page]]) -> bool:
+    def _all_stored(self, items: list[tuple[str, int, Page]]) -> bool:
         keys = self.catalog.keys
-        return all(page.key in keys[pool] for pool, _i, page in items)
+        return all(page.key in keys.get(pool, ()) for pool, _i, page in items)
 
     def _pack(
-        self, groups: Mapping[str, list[tuple[PoolKind, int, Page]]], sizes: Mapping[str, int]
-    ) -> Iterator[tuple[list[tuple[PoolKind, int, Page]], int]]:
+        self, groups: Mapping[str, list[tuple[str, int, Page]]], sizes: Mapping[str, int]
+    ) -> Iterator[tuple[list[tuple[str, int, Page]], int]]:
         """Batches of whole groups with their bytes, each at most ``segment_max_bytes`` (a bigger
         group alone); a call of ``k * _SPLIT_MIN`` bytes or more is cut into ``k`` segments of
         about equal size (``k`` at most the worker count), written side by side. ``sizes``: the
@@ -584,7 +586,7 @@ class FileBackend(StorageBackend):
         parts = min(self.workers, total // _SPLIT_MIN)
         if parts > 1:
             limit = min(limit, -(-total // parts))
-        cur: list[tuple[PoolKind, int, Page]] = []
+        cur: list[tuple[str, int, Page]] = []
         size = 0
         for g, items in groups.items():
             add = sizes[g]
@@ -597,7 +599,7 @@ class FileBackend(StorageBackend):
             yield cur, size
 
     def _write(
-        self, batch: list[tuple[PoolKind, int, Page]], size: int, published: list[str], deadline: float
+        self, batch: list[tuple[str, int, Page]], size: int, published: list[str], deadline: float
     ) -> bool:
         """Write and publish one segment. A full filesystem (ENOSPC, EDQUOT) with eviction on is
         capacity pressure: evict least recently used groups (never this call's), then retry once."""
@@ -618,7 +620,7 @@ class FileBackend(StorageBackend):
             return True
         return False
 
-    def _write_once(self, batch: list[tuple[PoolKind, int, Page]], deadline: float) -> str:
+    def _write_once(self, batch: list[tuple[str, int, Page]], deadline: float) -> str:
         with self._lock:
             self._seq += 1
             name = segment_name(self._writer, self._seq)
@@ -661,7 +663,7 @@ class FileBackend(StorageBackend):
     @hookimpl
     def page_get(
         self, transfers: Sequence[PageTransfer], deadline: float, finished: _Finished | None = None
-    ) -> dict[PoolKind, list[PageResult]]:
+    ) -> dict[str, list[PageResult]]:
         results = {t.pool: [PageResult.MISS] * len(t.pages) for t in transfers}
         self._poll()
         plan: dict[Segment, list[_Item]] = {}  # pages by segment, in call order
@@ -704,7 +706,7 @@ class FileBackend(StorageBackend):
     def _read_plan(
         self,
         plan: Mapping[Segment, list[_Item]],
-        results: dict[PoolKind, list[PageResult]],
+        results: dict[str, list[PageResult]],
         deadline: float,
         finished: _Finished,
     ) -> None:
@@ -754,7 +756,7 @@ class FileBackend(StorageBackend):
                 finally:
                     self._release(sr.handle)
 
-    def _settle_read(self, sr: _SegRead, results: dict[PoolKind, list[PageResult]]) -> None:
+    def _settle_read(self, sr: _SegRead, results: dict[str, list[PageResult]]) -> None:
         seg = sr.seg
         if sr.error is not None:
             self.stats.read_failures += 1
@@ -790,7 +792,7 @@ class FileBackend(StorageBackend):
             return True
 
     @hookimpl
-    def page_rejected(self, rejected: Mapping[PoolKind, Sequence[str]]) -> None:
+    def page_rejected(self, rejected: Mapping[str, Sequence[str]]) -> None:
         """Pages this backend answered OK that failed the core's verification: their segments are
         quarantined (with every segment sharing a group with them evicted), so the next read is a
         clean miss. The backend checks only headers on reads; payloads are the core's to check."""
@@ -818,7 +820,7 @@ class FileBackend(StorageBackend):
                     self._drop(name)
 
     def _on_bad(
-        self, seg: Segment, bad: list[tuple[PoolKind, int, str]], results: dict[PoolKind, list[PageResult]]
+        self, seg: Segment, bad: list[tuple[str, int, str]], results: dict[str, list[PageResult]]
     ) -> None:
         """Failed validation: corruption, or a segment evicted and recycled under us."""
         if not self._still_published(seg):  # removed by another process: the pages are simply gone
@@ -840,9 +842,9 @@ class FileBackend(StorageBackend):
                 self._drop(seg.name)
 
     @hookimpl
-    def page_exists(self, queries: Mapping[PoolKind, Sequence[str]]) -> dict[PoolKind, int]:
+    def page_exists(self, queries: Mapping[str, Sequence[str]]) -> dict[str, int]:
         self._poll()
-        out: dict[PoolKind, int] = {}
+        out: dict[str, int] = {}
         for pool, keys in queries.items():
             stored = self.catalog.keys.get(pool, {})
             n = 0
@@ -1220,7 +1222,7 @@ def _read_share(
     runs: Sequence[tuple[_SegRead, int, int]],
     view: Callable[[Buffer], memoryview],
     head_view: Callable[[Buffer], memoryview],
-    results: dict[PoolKind, list[PageResult]],
+    results: dict[str, list[PageResult]],
     finished: _Finished,
     deadline: float,
 ) -> None:
@@ -1228,7 +1230,7 @@ def _read_share(
     first (a run not started in time fails its pages). An I/O error fails that run's pages only.
     Pages that passed are announced to ``finished`` after each run (the core then verifies them in
     this thread, from the cache), and at the end of the share."""
-    told: dict[PoolKind, list[int]] = {}
+    told: dict[str, list[int]] = {}
     waiting = 0
     for sr, a, b in runs:
         run = sr.items[a:b]
@@ -1261,9 +1263,9 @@ def _read_run(
     run: list[_Item],
     view: Callable[[Buffer], memoryview],
     head_view: Callable[[Buffer], memoryview],
-    results: dict[PoolKind, list[PageResult]],
-    bad: list[tuple[PoolKind, int, str]],
-    done: dict[PoolKind, list[int]],
+    results: dict[str, list[PageResult]],
+    bad: list[tuple[str, int, str]],
+    done: dict[str, list[int]],
 ) -> int:
     """One ``preadv`` of adjacent records: each header straight into the page's ``header`` buffer
     (a scratch buffer for pages without one), each payload straight into the page's buffers. Then

@@ -3,19 +3,20 @@
 Built at start-up from the segment footers, kept current from this process's own writes and
 the shared journal. A key maps to ``(segment, record number)``; when a key is stored more than
 once the newest copy wins. Groups map to the segments holding any of their pages, which is what
-eviction needs to remove the target and draft pages of a group together.
+eviction needs to remove every pool's pages of a group (target, draft, indexer, ...) together.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
 
-from hicache_draft import HEADER_SIZE, PoolKind
+from hicache_draft import HEADER_SIZE
 from hicache_draft_file.naming import SEGMENT_SUFFIX, fanout_dir
-from hicache_draft_file.segment_format import CODE_POOL, SegmentIndex
+from hicache_draft_file.segment_format import CLASSIC_POOLS, SegmentIndex
 
 
 @dataclass(eq=False)
@@ -48,8 +49,12 @@ Entry = tuple[Segment, int]
 _REC_BITS = 32  # a key's value in Catalog.keys: (segment number << _REC_BITS) | record number
 _REC_MASK = (1 << _REC_BITS) - 1
 
-# pool code -> a translation table turning a footer's pool codes into 1 where they equal it, else 0
-_MASKS = {code: bytes(int(c == code) for c in range(256)) for code in CODE_POOL}
+
+
+@functools.lru_cache(maxsize=256)
+def _mask(code: int) -> bytes:
+    """A translation table turning a footer's pool codes into 1 where they equal ``code``, else 0."""
+    return bytes(int(c == code) for c in range(256))
 
 
 class Catalog:
@@ -57,11 +62,11 @@ class Catalog:
 
     def __init__(self) -> None:
         self.segments: dict[str, Segment] = {}
-        # pool -> key -> (segment number << 32) | record number. Plain ints rather than
+        # pool name -> key -> (segment number << 32) | record number. Plain ints rather than
         # (segment, record) tuples: a tuple holding an object stays tracked by Python's garbage
         # collector, and millions of them made every collection walk the whole index (indexing
         # 100k pages at a restart spent two thirds of its time in the collector).
-        self.keys: dict[PoolKind, dict[str, int]] = {p: {} for p in PoolKind}
+        self.keys: dict[str, dict[str, int]] = {p: {} for p in CLASSIC_POOLS}  # other pools as they come
         self.by_sid: dict[int, Segment] = {}
         self._next_sid = 0
         self._groups: dict[str, str | set[str]] = {}
@@ -71,8 +76,8 @@ class Catalog:
     def __contains__(self, name: str) -> bool:
         return name in self.segments
 
-    def lookup(self, pool: PoolKind, key: str) -> Entry | None:
-        value = self.keys[pool].get(key)
+    def lookup(self, pool: str, key: str) -> Entry | None:
+        value = self.keys.get(pool, {}).get(key)
         return None if value is None else self.entry(value)
 
     def entry(self, value: int) -> Entry:
@@ -93,12 +98,13 @@ class Catalog:
         base = seg.sid << _REC_BITS
         values = range(base, base + len(idx))
         pools = bytes(idx.pools)
-        for code, pool in CODE_POOL.items():
+        for code, pool in enumerate(idx.names):
             have = pools.count(code)
             if have == len(pools):
-                self.keys[pool].update(zip(idx.keys, values, strict=True))
+                self.keys.setdefault(pool, {}).update(zip(idx.keys, values, strict=True))
             elif have:
-                self.keys[pool].update(compress(zip(idx.keys, values, strict=True), pools.translate(_MASKS[code])))
+                self.keys.setdefault(pool, {}).update(
+                    compress(zip(idx.keys, values, strict=True), pools.translate(_mask(code))))
         name = seg.name
         groups = self._groups
         new = dict.fromkeys(idx.groups, name)
@@ -121,7 +127,7 @@ class Catalog:
         self.bytes -= seg.size
         self.pages -= len(seg.index)
         idx = seg.index
-        maps = [self.keys[CODE_POOL[c]] for c in sorted(CODE_POOL)]
+        maps = [self.keys.get(name, {}) for name in idx.names]
         groups = self._groups
         for key, group, code in zip(idx.keys, idx.groups, idx.pools, strict=True):
             m = maps[code]

@@ -17,10 +17,10 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
-from hicache_draft import HEADER_SIZE, Buffer, Page, PoolKind, make_headers
+from hicache_draft import HEADER_SIZE, Buffer, Page, make_headers
 from hicache_draft_file.region_views import SliceViews
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry
-from hicache_draft_file.segment_format import POOL_CODE, SegmentIndex, build_footer
+from hicache_draft_file.segment_format import SegmentIndex, build_footer, pool_table
 from hicache_draft_file.vectored_io import WRITE_CHUNK, preallocate, pwritev_all
 
 # Segments under 1 MiB, or of records under 256 KiB on average, are written by the calling
@@ -86,7 +86,7 @@ def tmp_name(segment: str) -> str:
 def write_segment(
     dirs: RootDirs,
     name: str,
-    items: Sequence[tuple[PoolKind, Page]],
+    items: Sequence[tuple[str, Page]],
     fsync: bool,
     view: Callable[[Buffer], memoryview] = Buffer.view,
     io: Executor | None = None,
@@ -145,7 +145,7 @@ def write_segment(
 
 
 def _record_calls(
-    items: Sequence[tuple[PoolKind, Page]], views: Sequence[Sequence[memoryview]], index: SegmentIndex, chunk: int
+    items: Sequence[tuple[str, Page]], views: Sequence[Sequence[memoryview]], index: SegmentIndex, chunk: int
 ) -> Iterator[tuple[list[memoryview], int]]:
     """The writes of a segment's records as ``(views, file offset)``: the records (header then
     payload, back to back from offset 0) cut into calls that each cover ``[k * chunk, (k + 1) *
@@ -198,7 +198,7 @@ def _record_calls(
 
 def _write_pipelined(
     fd: int,
-    items: Sequence[tuple[PoolKind, Page]],
+    items: Sequence[tuple[str, Page]],
     views: Sequence[Sequence[memoryview]],
     index: SegmentIndex,
     chunk: int,
@@ -236,7 +236,7 @@ def _write_pipelined(
         raise error
 
 
-def _index_of(items: Sequence[tuple[PoolKind, Page]], views: Sequence[Sequence[memoryview]]) -> SegmentIndex:
+def _index_of(items: Sequence[tuple[str, Page]], views: Sequence[Sequence[memoryview]]) -> SegmentIndex:
     """The index of a segment holding ``items`` in order from offset 0 (``size`` is set once the
     footer is made)."""
     lengths = array("Q", [sum(v.nbytes for v in vs) for vs in views])
@@ -245,12 +245,14 @@ def _index_of(items: Sequence[tuple[PoolKind, Page]], views: Sequence[Sequence[m
     for i, n in enumerate(lengths):
         offsets[i] = at
         at += HEADER_SIZE + n
+    names, codes = pool_table(pool for pool, _page in items)
     return SegmentIndex(
         size=0,
         data_end=at,
         keys=[page.key for _pool, page in items],
         groups=[page.group for _pool, page in items],
-        pools=bytes([POOL_CODE[pool] for pool, _page in items]),
+        pools=codes,
         offsets=offsets,
         lengths=lengths,
+        names=names,
     )

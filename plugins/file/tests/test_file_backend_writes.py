@@ -20,7 +20,7 @@ import pytest
 from hicache_draft_file import segment_writer
 from hicache_draft_file.root_setup import prepare_root
 from hicache_draft_file.rootfs import RootDirs
-from hicache_draft_file.segment_format import POOL_CODE, SegmentIndex, build_footer, read_index
+from hicache_draft_file.segment_format import SegmentIndex, build_footer, pool_table, read_index
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,9 +29,9 @@ from hicache_draft import HEADER_SIZE, Buffer, Page, PageResult, PoolKind, make_
 NS = "c3" * 12
 
 
-def _pages(sizes: list[int], split: bool) -> tuple[list[tuple[PoolKind, Page]], list[bytearray]]:
+def _pages(sizes: list[int], split: bool) -> tuple[list[tuple[str, Page]], list[bytearray]]:
     keep: list[bytearray] = []
-    items: list[tuple[PoolKind, Page]] = []
+    items: list[tuple[str, Page]] = []
     for i, n in enumerate(sizes):
         data = hashlib.shake_256(f"w{i}".encode()).digest(n)
         cut = [0, n // 3, n] if split and n > 1 else [0, n]
@@ -41,12 +41,12 @@ def _pages(sizes: list[int], split: bool) -> tuple[list[tuple[PoolKind, Page]], 
             keep.append(mem)
             bufs.append(Buffer.of(mem))
         group = f"{i:064x}"
-        pool = PoolKind.DRAFT if i % 3 == 2 else PoolKind.KV
+        pool = (PoolKind.KV, "indexer", PoolKind.DRAFT)[i % 3]  # one page: version 1; more: an open pool too
         items.append((pool, Page(f"{group}.{NS}", group, NS, tuple(bufs))))
     return items, keep
 
 
-def _expected(items: list[tuple[PoolKind, Page]]) -> bytes:
+def _expected(items: list[tuple[str, Page]]) -> bytes:
     out = bytearray()
     offsets = []
     for pool, page in items:
@@ -55,10 +55,10 @@ def _expected(items: list[tuple[PoolKind, Page]]) -> bytes:
         out += make_header(page.key, page.namespace, pool, views)
         for v in views:
             out += v
+    names, codes = pool_table(pool for pool, _p in items)
     index = SegmentIndex(
         size=0, data_end=len(out), keys=[p.key for _pool, p in items], groups=[p.group for _pool, p in items],
-        pools=bytes(POOL_CODE[pool] for pool, _p in items), offsets=array("Q", offsets),
-        lengths=array("Q", [p.nbytes for _pool, p in items]),
+        pools=codes, offsets=array("Q", offsets), lengths=array("Q", [p.nbytes for _pool, p in items]), names=names,
     )
     return bytes(out + build_footer(index))
 
@@ -68,7 +68,7 @@ def _layout(root: Path) -> RootDirs:
 
 
 def _write(
-    layout: RootDirs, name: str, items: list[tuple[PoolKind, Page]], threaded: bool, chunk: int
+    layout: RootDirs, name: str, items: list[tuple[str, Page]], threaded: bool, chunk: int
 ) -> segment_writer.WrittenSegment:
     """``write_segment`` in the calling thread, or with a one-thread writer pool (shut down after)."""
     io = ThreadPoolExecutor(1) if threaded else None
@@ -124,6 +124,7 @@ def test_a_segment_holds_exactly_headers_payloads_and_footer(
         assert ws.index.size == len(want) and ws.index.keys == [p.key for _pool, p in items]
         idx = read_index(ws.fd)
         assert list(idx.offsets) == list(ws.index.offsets) and list(idx.lengths) == sizes
+        assert [idx.names[c] for c in idx.pools] == [str(pool) for pool, _p in items]
     finally:
         os.close(ws.fd)
 

@@ -83,7 +83,7 @@ def _pages(p: dict[str, Any], restored: dict[str, int]) -> str:
 
 def render(report: dict[str, Any], console: Console) -> None:
     """Print the results table (one row per restart of each pair) and what the columns mean."""
-    table = Table(title="speculative decoding across a restart")
+    table = Table(title="speculative decoding across a restart", pad_edge=False)
     first = "pair: restart"
     for col in (first, "restored\npages", "prefill\ntokens\nskipped", "accept\nlen\nrun 1", "accept\nlen\nrestart",
                 "logits ==\nrecompute"):

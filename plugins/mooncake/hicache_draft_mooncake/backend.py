@@ -59,6 +59,7 @@ from hicache_draft import (
     BackendSetupError,
     Buffer,
     Capabilities,
+    Component,
     Layout,
     Page,
     PageFormatError,
@@ -85,6 +86,7 @@ log = logging.getLogger("hicache_draft_mooncake")
 
 _POOL = PoolCapability(
     attention=frozenset({Attention.MHA, Attention.MLA}),
+    components=frozenset(Component),  # an object is any bytes under its key: every pool of any name
     zero_copy_layouts=frozenset(Layout),
     generic=True,
     max_buffers_per_page=None,
@@ -112,7 +114,7 @@ _STAT = {OK: "get", MISS: "miss", CORRUPT: "corrupt", FAILED: "failed"}
 class _Job:
     """One page of one call: where its result goes, its Mooncake key and its size."""
 
-    pool: PoolKind
+    pool: str
     index: int
     page: Page
     key: str
@@ -147,14 +149,14 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.0f} KiB"
 
 
-Finished = Callable[[PoolKind, Iterable[int]], None]
+Finished = Callable[[str, Iterable[int]], None]
 """The core's ``finished(pool, indices)`` of a ``page_get``: those pages hold their final bytes."""
 
 
-def _announce(finished: Finished, jobs: list[_Job], results: dict[PoolKind, list[PageResult]]) -> None:
+def _announce(finished: Finished, jobs: list[_Job], results: dict[str, list[PageResult]]) -> None:
     """Tell the core which pages of a landed sub-batch are OK (final), pool by pool, so it
     verifies them while the next sub-batch moves."""
-    by_pool: dict[PoolKind, list[int]] = {}
+    by_pool: dict[str, list[int]] = {}
     for job in jobs:
         if results[job.pool][job.index] is OK:
             by_pool.setdefault(job.pool, []).append(job.index)
@@ -436,7 +438,7 @@ class MooncakeBackend(StorageBackend):
 
     # -- hooks -----------------------------------------------------------------------------
     @hookimpl
-    def host_memory(self, pool: PoolKind, nbytes: int) -> Buffer | None:
+    def host_memory(self, pool: str, nbytes: int) -> Buffer | None:
         """Shared-memory mode: host pool memory from the segment holder's shared pool (registered,
         so pages move without a bounce copy; valid until the backend closes). TCP mode: ``None``."""
         sess = self._sess
@@ -444,11 +446,12 @@ class MooncakeBackend(StorageBackend):
             return None
         with sess.call(time.monotonic() + self.context.timeout_s):
             ptr, arr = sess.mem.allocate_host(nbytes)
-        log.debug("mooncake: %d bytes of shared memory for the %r host pool at %#x", nbytes, pool.value, ptr)
+        log.debug("mooncake: %d bytes of shared memory for the %r host pool at %#x", nbytes, str(pool), ptr)
         return Buffer(ptr, nbytes, owner=arr)
 
     @hookimpl
     def register_pool(self, registration: PoolRegistration) -> None:
+        self.check_registration(registration)
         outside = 0
         sess = self._sess
         with sess.call(time.monotonic() + self.context.timeout_s):
@@ -459,20 +462,20 @@ class MooncakeBackend(StorageBackend):
             log.warning(
                 "mooncake shared-memory mode: %d region(s) of pool %r are not in the shared pool, so its pages "
                 "go through a staging copy; let the controller allocate host pools (host_memory hook) for zero copy",
-                outside, registration.pool.value,
+                outside, str(registration.pool),
             )
 
     @hookimpl
-    def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
+    def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[str, list[PageResult]]:
         return self._each_chunk("put", self._set_chunk, transfers, deadline)
 
     def _each_chunk(
         self,
         what: str,
-        run: Callable[[Session, list[_Job], dict[PoolKind, list[PageResult]], float, Counter[str]], None],
+        run: Callable[[Session, list[_Job], dict[str, list[PageResult]], float, Counter[str]], None],
         transfers: Sequence[PageTransfer],
         deadline: float,
-    ) -> dict[PoolKind, list[PageResult]]:
+    ) -> dict[str, list[PageResult]]:
         """Run ``run`` chunk by chunk within the deadline; a chunk that raises fails only its pages."""
         results = {t.pool: [FAILED] * len(t.pages) for t in transfers}
         jobs = self._jobs(transfers)
@@ -499,7 +502,7 @@ class MooncakeBackend(StorageBackend):
         return results
 
     def _set_chunk(
-        self, sess: Session, chunk: list[_Job], results: dict[PoolKind, list[PageResult]], deadline: float,
+        self, sess: Session, chunk: list[_Job], results: dict[str, list[PageResult]], deadline: float,
         counts: Counter[str],
     ) -> None:
         present = self._exist(sess, [j.key for j in chunk])
@@ -564,7 +567,7 @@ class MooncakeBackend(StorageBackend):
                                                                  self._cfg))
 
     def _finish_put(
-        self, jobs: list[_Job], rcs: list[int] | None, results: dict[PoolKind, list[PageResult]],
+        self, jobs: list[_Job], rcs: list[int] | None, results: dict[str, list[PageResult]],
         counts: Counter[str],
     ) -> None:
         if rcs is None:
@@ -582,11 +585,11 @@ class MooncakeBackend(StorageBackend):
     @hookimpl
     def page_get(
         self, transfers: Sequence[PageTransfer], deadline: float, finished: Finished | None = None
-    ) -> dict[PoolKind, list[PageResult]]:
+    ) -> dict[str, list[PageResult]]:
         return self._each_chunk("get", partial(self._get_chunk, finished=finished), transfers, deadline)
 
     def _get_chunk(
-        self, sess: Session, chunk: list[_Job], results: dict[PoolKind, list[PageResult]], deadline: float,
+        self, sess: Session, chunk: list[_Job], results: dict[str, list[PageResult]], deadline: float,
         counts: Counter[str], finished: Finished | None = None,
     ) -> None:
         staged, direct = self._split(sess, chunk, counts)
@@ -631,7 +634,7 @@ class MooncakeBackend(StorageBackend):
         return list(sub.sess.native.batch_get_into_multi_buffers([j.key for j in sub.jobs], sub.ptrs, sub.sizes))
 
     def _finish_get(
-        self, sub: _Sub, rcs: list[int] | None, staged: bool, results: dict[PoolKind, list[PageResult]],
+        self, sub: _Sub, rcs: list[int] | None, staged: bool, results: dict[str, list[PageResult]],
         counts: Counter[str],
     ) -> None:
         jobs = sub.jobs
@@ -695,7 +698,7 @@ class MooncakeBackend(StorageBackend):
         return OK
 
     @hookimpl
-    def page_rejected(self, rejected: Mapping[PoolKind, Sequence[str]]) -> None:
+    def page_rejected(self, rejected: Mapping[str, Sequence[str]]) -> None:
         """Pages this backend answered OK that failed the core's verification: remove the stored
         objects (forced), so the next read is a clean miss and a later backup stores them again
         (puts skip keys that exist, so a bad copy would otherwise stay for good)."""
@@ -717,7 +720,7 @@ class MooncakeBackend(StorageBackend):
                    "they miss and a later backup stores them again", removed, len(keys))
 
     @hookimpl
-    def page_exists(self, queries: Mapping[PoolKind, Sequence[str]], deadline: float) -> dict[PoolKind, int]:
+    def page_exists(self, queries: Mapping[str, Sequence[str]], deadline: float) -> dict[str, int]:
         out = {pool: 0 for pool in queries}
         sess = self._sess
         if not any(queries.values()) or not self._up(sess):

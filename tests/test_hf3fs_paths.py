@@ -291,3 +291,39 @@ def test_controller_follows_the_check_plan_and_never_fails_at_runtime(target, dr
     finally:
         store.close()
         MemoryBackend.reset()
+
+
+# -- extra pools: what one-buffer 3FS slots allow ---------------------------------------------------
+ROWS, MLA_WINDOW = {"row_bytes": [132]}, {"attention": "mla", "latent_dim": 16}
+MHA_WINDOW = {"attention": "mha", "kv_heads": 2, "head_dim": 8}
+EXTRA_PATHS = [
+    # (pool entry, path): written out from the slots, not computed
+    ({"name": "indexer", **ROWS}, ZC),  # page_first: one buffer of L * row bytes, one slot
+    ({"name": "indexer", **ROWS, "layout": "layer_first"}, GEN),  # L rows, copied into one buffer
+    ({"name": "draft_indexer", **ROWS}, ZC),
+    ({"name": "draft_indexer", **ROWS, "layout": "page_first_direct"}, ZC),
+    ({"name": "draft_indexer", **ROWS, "layout": "layer_first"}, GEN),
+    ({"name": "draft_swa", **MLA_WINDOW}, ZC),  # an MLA window page is one buffer
+    ({"name": "draft_swa", **MHA_WINDOW}, OFF),  # K plus V: twice the slot
+    ({"name": "draft_mamba", "role": "draft", "component": "state", "row_bytes": [64]}, ZC),
+    ({"name": "draft_mamba", "role": "draft", "component": "state", "row_bytes": [64, 32]}, GEN),  # 2 buffers
+    ({"name": "swa", **MLA_WINDOW}, OFF),  # no target window pools (see the kv note)
+    ({"name": "swa", **MHA_WINDOW}, OFF),
+    ({"name": "mamba", "row_bytes": [64, 32]}, OFF),  # no target state pools
+]
+
+
+@pytest.mark.parametrize(("entry", "expected"), EXTRA_PATHS, ids=[f"{e['name']}-{i}" for i, (e, _) in
+                                                                  enumerate(EXTRA_PATHS)])
+def test_extra_pool_paths_follow_the_one_buffer_slots(entry, expected):
+    data = config_dict(target="mla", draft="mla")
+    data["pools"] = [{"layers": 3, **entry}]
+    plans = plan_pools(Config.model_validate(data), HF3FS_CAPABILITIES)
+    got = plans[entry["name"]]
+    assert got.path is expected, got.reason
+    if expected is OFF and entry["name"] in ("swa", "mamba"):
+        assert "for 'kv' pools" in got.reason and "backend note" in got.reason
+    if expected is not OFF:
+        assert got.spec.attention in (None, Attention.MLA)
+        if expected is ZC:
+            assert got.spec.buffers_per_page() == 1

@@ -14,6 +14,7 @@ from hicache_draft import (
     BackendContext,
     BackendSetupError,
     Buffer,
+    Component,
     ConfigError,
     Layout,
     Page,
@@ -48,6 +49,9 @@ def test_declaration_matches_what_3fs_supports():
     assert kv.max_buffers_per_page == 2  # K and V, each in its own slot
     assert draft.max_buffers_per_page == 1
     assert caps.split_heads is False
+    # extra pools get one-buffer slots: target indexers fit; target windows (MHA K+V) and states do not
+    assert kv.components == {Component.KV, Component.INDEXER}
+    assert draft.components == set(Component)  # MLA only and one buffer per page, so windows are MLA
     summary = caps.summary()
     assert summary["pools"]["draft"]["attention"] == ["mla"]
     assert summary["pools"]["kv"]["max_buffers_per_page"] == 2

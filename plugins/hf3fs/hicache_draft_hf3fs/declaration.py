@@ -11,6 +11,17 @@
   is K plus V, twice the slot, so it cannot be stored at all (not zero-copy, not generic).
   Zero-copy pages must be a single buffer (``max_buffers_per_page=1``); the generic path copies an
   MLA page (also ``layer_first``) into one slot-sized buffer.
+* Components. A pool other than the target ``kv`` is registered as an extra pool with its own
+  file of one-buffer slots (``ksize_per_token * page_size``: the whole page wherever ksize ==
+  size, as for MLA, indexer and state pages). Target role: ``kv`` and ``indexer`` (an indexer page
+  in ``page_first`` / ``page_first_direct`` is one buffer of ``L * row`` bytes, zero-copy into one
+  slot; ``layer_first`` is ``L`` rows, copied through staging into one buffer). ``window`` (SWA) and
+  ``state`` (Mamba) are *not* declared for the target role: its ``max_buffers_per_page = 2`` (the
+  K/V slots of the target pool) and its MHA attention would send an MHA window page (K plus V,
+  twice a one-buffer slot) or a two-array state page (two buffers) zero-copy into a one-buffer
+  slot. Draft role: every component, MLA only, one buffer per page: indexer and MLA window pages
+  in ``page_first*`` are zero-copy, ``layer_first`` pages and state pages of several arrays (one
+  buffer per array) go through the generic path into one slot-sized buffer.
 * ``generic=True``: usrbio moves every byte through the backend's own registered Iov (shared,
   IB-registered memory), so a controller staging buffer is as good a source as the host pool.
 * ``split_heads=False``: a page's head groups cannot be stored under their own keys.
@@ -20,7 +31,7 @@
 
 from __future__ import annotations
 
-from hicache_draft import Attention, Capabilities, Layout, PoolCapability, PoolKind
+from hicache_draft import Attention, Capabilities, Component, Layout, PoolCapability, PoolKind
 
 ZERO_COPY_LAYOUTS = frozenset({Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT})
 
@@ -28,12 +39,16 @@ HF3FS_CAPABILITIES = Capabilities(
     pools={
         PoolKind.KV: PoolCapability(
             attention=frozenset({Attention.MHA, Attention.MLA}),
+            components=frozenset({Component.KV, Component.INDEXER}),
             zero_copy_layouts=ZERO_COPY_LAYOUTS,
             generic=True,
             max_buffers_per_page=2,
+            note="a 3FS target slot holds the K or the V half of a kv page, an extra pool's slot one buffer: "
+            "no target window (SWA) or state (Mamba) pools",
         ),
         PoolKind.DRAFT: PoolCapability(
             attention=frozenset({Attention.MLA}),
+            components=frozenset(Component),
             zero_copy_layouts=ZERO_COPY_LAYOUTS,
             generic=True,
             max_buffers_per_page=1,

@@ -32,6 +32,7 @@ from hicache_draft import (
     BackendContext,
     BackendSetupError,
     Capabilities,
+    Component,
     HeaderProblem,
     Layout,
     Page,
@@ -51,7 +52,10 @@ from hicache_draft_sqlite.schema import SchemaError, prepare
 
 log = logging.getLogger("hicache_draft_sqlite")
 
-_EVERY_POOL = PoolCapability(attention=frozenset(Attention), zero_copy_layouts=frozenset(Layout), generic=True)
+# a row is any bytes under its key (the pool's name in its own column): every component of any pool
+_EVERY_POOL = PoolCapability(
+    attention=frozenset(Attention), components=frozenset(Component), zero_copy_layouts=frozenset(Layout), generic=True
+)
 _IN_CHUNK = 256  # keys per "IN (...)" query (below every SQLite build's variable limit)
 _PROGRESS_STEPS = 2000  # SQLite VM steps between deadline checks
 
@@ -137,7 +141,7 @@ class SqliteBackend(StorageBackend):
 
     # -- writing -------------------------------------------------------------------------------
     @hookimpl
-    def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
+    def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[str, list[PageResult]]:
         out = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         try:
             conn = self._conn()
@@ -164,7 +168,7 @@ class SqliteBackend(StorageBackend):
             return {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         return out
 
-    def _put(self, conn: sqlite3.Connection, pool: PoolKind, page: Page) -> PageResult:
+    def _put(self, conn: sqlite3.Connection, pool: str, page: Page) -> PageResult:
         size = HEADER_SIZE + page.nbytes
         if self.opts.max_bytes is not None and size > self.opts.max_bytes:
             log.warning("sqlite %s: page of %d bytes exceeds max_bytes %d", self.path, size, self.opts.max_bytes)
@@ -174,7 +178,7 @@ class SqliteBackend(StorageBackend):
             cur = conn.execute(
                 "INSERT INTO pages(key, grp, pool, nbytes, data) VALUES (?, ?, ?, ?, zeroblob(?)) "
                 "ON CONFLICT(key) DO NOTHING",
-                (page.key, page.group, pool.value, size, size),
+                (page.key, page.group, str(pool), size, size),
             )
             if cur.rowcount == 1:  # new; an existing key holds the same bytes, so it stays as is
                 views = [b.view() for b in page.buffers]
@@ -221,7 +225,7 @@ class SqliteBackend(StorageBackend):
 
     # -- reading -------------------------------------------------------------------------------
     @hookimpl
-    def page_get(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[PoolKind, list[PageResult]]:
+    def page_get(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[str, list[PageResult]]:
         out = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         corrupt: list[str] = []
         hits: set[str] = set()
@@ -245,7 +249,7 @@ class SqliteBackend(StorageBackend):
             log.warning("sqlite %s: page_get stopped: %s", self.path, exc)
         return out  # pages read before a failure were fully read and verified; the rest stay FAILED
 
-    def _read(self, conn: sqlite3.Connection, pool: PoolKind, page: Page, corrupt: list[str]) -> PageResult:
+    def _read(self, conn: sqlite3.Connection, pool: str, page: Page, corrupt: list[str]) -> PageResult:
         row = conn.execute("SELECT id, length(data) FROM pages WHERE key = ?", (page.key,)).fetchone()
         if row is None:
             return PageResult.MISS
@@ -296,7 +300,7 @@ class SqliteBackend(StorageBackend):
 
     # -- existence -----------------------------------------------------------------------------
     @hookimpl
-    def page_exists(self, queries: Mapping[PoolKind, Sequence[str]], deadline: float) -> dict[PoolKind, int]:
+    def page_exists(self, queries: Mapping[str, Sequence[str]], deadline: float) -> dict[str, int]:
         out = {pool: 0 for pool in queries}
         try:
             conn = self._conn()

@@ -35,6 +35,7 @@ def test_backends_lists_sqlite_with_its_declaration():
     assert caps["persistent"] is True and caps["split_heads"] is True
     for pool in ("kv", "draft"):
         assert caps["pools"][pool]["attention"] == ["mha", "mla"]
+        assert caps["pools"][pool]["components"] == ["indexer", "kv", "state", "window"]
         assert caps["pools"][pool]["generic"] is True
         assert len(caps["pools"][pool]["zero_copy_layouts"]) == 4
 

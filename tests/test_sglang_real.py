@@ -4,7 +4,8 @@ The cases live in ``tests/sglang_real/`` (``cases_*.py``, collected only by the 
 makes that release importable: see ``tests/sglang_real/bootstrap.py`` for the shims and why).
 What runs per release keeps CI short: the newest release runs everything (the adapter contract,
 pool views and the full round-trip matrix), 0.5.18 (the last release with the legacy draft path
-and the two-field ``PoolTransferResult``) runs the controller cases and the DSA / SWA models, and each release in between
+and the two-field ``PoolTransferResult``) runs the controller cases, the DSA / SWA models and the
+agreement of ``check`` with the adapter, and each release in between
 whose storage interface differs runs the smoke cases (one round trip per path and pool pair, every
 ``PoolName`` member, the ``should_backup`` gate, clear).
 """
@@ -25,8 +26,8 @@ CASES = HERE / "sglang_real"
 # which 0.5.21+ also define, so it is not run.
 RELEASES = {
     "0.5.23": [str(CASES / "cases_adapter.py"), str(CASES / "cases_pools.py"), str(CASES / "cases_controllers.py"),
-               str(CASES / "cases_hybrid.py")],
-    "0.5.18": [str(CASES / "cases_controllers.py"), str(CASES / "cases_hybrid.py")],
+               str(CASES / "cases_hybrid.py"), str(CASES / "cases_check.py")],
+    "0.5.18": [str(CASES / "cases_controllers.py"), str(CASES / "cases_hybrid.py"), str(CASES / "cases_check.py")],
     "0.5.19": [str(CASES / "cases_controllers.py"), "-m", "smoke"],
     "0.5.21": [str(CASES / "cases_controllers.py"), "-m", "smoke"],
     "0.5.22": [str(CASES / "cases_controllers.py"), "-m", "smoke"],

@@ -17,17 +17,8 @@ import pytest
 from hicache_draft import Attention, PoolKind
 from hicache_draft.cli import sglang_check_report
 from hicache_draft.config import Config
-from hicache_draft.plugins import register_backend, unregister_backend
-from hicache_draft.testing import MemoryBackend
 
-
-@pytest.fixture(autouse=True)
-def _memory_backend():
-    MemoryBackend.reset()
-    register_backend("memory", MemoryBackend)
-    yield
-    unregister_backend("memory")
-    MemoryBackend.reset()
+pytestmark = pytest.mark.usefixtures("memory_backend")
 
 
 def _shape(spec: Any) -> dict[str, Any]:

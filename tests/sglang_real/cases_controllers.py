@@ -18,37 +18,14 @@ import pytest
 import torch
 
 from hicache_draft import PoolKind
-from hicache_draft.plugins import register_backend, unregister_backend
-from hicache_draft.testing import MemoryBackend
+
+pytestmark = pytest.mark.usefixtures("memory_backend")
 
 smoke = pytest.mark.smoke
 HYBRID_MODES = ["hybrid", "legacy"] if h.HAS_LEGACY_DRAFT else ["hybrid"]
 MHA_T, MHA_D = h.Shape("mha", 3), h.Shape("mha", 1)
 MLA_T, MLA_D = h.Shape("mla", 3), h.Shape("mla", 1)
 README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-@pytest.fixture(autouse=True)
-def _memory_backend():
-    MemoryBackend.reset()
-    register_backend("memory", MemoryBackend)
-    yield
-    unregister_backend("memory")
-    MemoryBackend.reset()
-
-
-@pytest.fixture
-def rigs():
-    made: list[h.Rig] = []
-
-    def make(*args, **kw):
-        rig = h.Rig(*args, **kw)
-        made.append(rig)
-        return rig
-
-    yield make
-    while made:
-        made.pop().close()
 
 
 def extra_for(mode, root, draft, *, layout=None, **kw):

@@ -53,20 +53,6 @@ def _memory_backend():
     MemoryBackend.reset()
 
 
-@pytest.fixture
-def rigs():
-    made: list[h.Rig] = []
-
-    def make(*args, **kw):
-        rig = h.Rig(*args, **kw)
-        made.append(rig)
-        return rig
-
-    yield make
-    while made:
-        made.pop().close()
-
-
 def extra_for(backend: str, tmp_path, **kw):
     if backend != "file":
         return h.extra_config("", backend=backend, options={"space": tmp_path.name}, **kw)

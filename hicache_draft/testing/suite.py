@@ -46,11 +46,11 @@ import torch
 
 from hicache_draft.backend import StorageBackend
 from hicache_draft.binding import Batch, BindingPlan, PoolBinding, plan_binding
-from hicache_draft.capabilities import Attention, Capabilities, Component, HitPolicy, IOPath, Layout, PoolKind
+from hicache_draft.capabilities import Attention, Capabilities, Component, IOPath, Layout, PoolKind
 from hicache_draft.config import ParallelConfig
 from hicache_draft.errors import BackendSetupError
 from hicache_draft.hookspecs import API_VERSION, hookimpl
-from hicache_draft.pools import KNOWN_POOLS, HostPool, PoolSpec
+from hicache_draft.pools import HostPool, PoolSpec
 from hicache_draft.store import Store
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer
 
@@ -73,7 +73,6 @@ class KitPool:
     component: Component
     rows: tuple[int, ...] = ()
     wrapped: bool = False
-    hit_policy: HitPolicy | None = None  # given for names SGLang does not have
 
 
 KIT_POOLS: tuple[KitPool, ...] = (
@@ -84,7 +83,7 @@ KIT_POOLS: tuple[KitPool, ...] = (
     KitPool("swa", PoolKind.KV, Component.WINDOW),
     KitPool("draft_swa", PoolKind.DRAFT, Component.WINDOW),
     KitPool("mamba", PoolKind.KV, Component.STATE, rows=(40, 24), wrapped=True),
-    KitPool("draft_mamba", PoolKind.DRAFT, Component.STATE, rows=(40, 8, 24), hit_policy=HitPolicy.TRAILING_PAGES),
+    KitPool("draft_mamba", PoolKind.DRAFT, Component.STATE, rows=(40, 8, 24)),
 )
 """Every pool the kit tries, when the backend declares its role and component."""
 
@@ -101,15 +100,13 @@ def make_spec(
     pool: KitPool | str, attention: Attention | None, layout: Layout, layers: int = 2, name: str | None = None
 ) -> PoolSpec:
     """The kit's shape of ``pool`` (``attention`` None for row components); ``name``: the same
-    pool under another name (a name SGLang does not have, so its hit policy is given)."""
+    pool under another name (role and component given, so any name is a pool)."""
     p = kit_pool(pool) if isinstance(pool, str) else pool
     rows = not p.component.has_attention
-    known = KNOWN_POOLS.get(p.name)
     return PoolSpec(
         kind=name or p.name, attention=None if rows else attention, layers=layers, page_size=PAGE_SIZE,
         dtype="uint8" if rows else "float16", layout=layout, kv_heads=0 if rows else 2, head_dim=0 if rows else 8,
         latent_dim=0 if rows else 24, rows=p.rows, role=p.role, component=p.component,
-        hit_policy=p.hit_policy or (known.hit_policy if name and known else None),
     )
 
 

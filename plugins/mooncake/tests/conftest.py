@@ -7,10 +7,22 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from hicache_draft_mooncake import MooncakeBackend
 
-from hicache_draft import Attention, Layout, Page, PageTransfer, PoolKind, PoolRegistration, Store
-from hicache_draft.keys import make_key, pool_identities
-from hicache_draft.pools import HostPool, PoolSpec
+from hicache_draft import (
+    Attention,
+    Layout,
+    Page,
+    PageTransfer,
+    PoolBinding,
+    PoolKind,
+    PoolRegistration,
+    PoolSpec,
+    Store,
+    plan_binding,
+)
+from hicache_draft.config import ParallelConfig
+from hicache_draft.pools import HostPool
 
 pytest_plugins = ["hicache_draft_mooncake.pytest_plugin"]
 
@@ -19,29 +31,35 @@ PAGE_SIZE = 4
 
 @dataclass
 class Rig:
-    """A host pool of one rank, with its per-part namespaces, as the controller would build it."""
+    """A host pool of one rank, bound as the controller binds it (the core's PoolBinding: its
+    namespaces per head part, split and registration), with its pages addressed part by part."""
 
     kind: PoolKind
     attention: Attention
     layout: Layout
-    pool: HostPool
-    namespaces: list[str]
-    split: int = 1
+    binding: PoolBinding
     extra: list = field(default_factory=list)
 
+    @property
+    def pool(self) -> HostPool:
+        assert self.binding.host is not None
+        return self.binding.host
+
+    @property
+    def namespaces(self) -> list[str]:
+        return list(self.binding.namespaces)
+
+    @property
+    def split(self) -> int:
+        return self.binding.split
+
     def registration(self) -> PoolRegistration:
-        return PoolRegistration(
-            pool=self.kind, attention=self.attention, layout=self.layout, namespace=self.namespaces[0],
-            page_nbytes=self.pool.part_nbytes(self.split), buffers_per_page=self.pool.spec.buffers_per_page(),
-            regions=self.pool.regions(),
-        )
+        return self.binding.registration()
 
     def pages(self, groups, page_indices, part=0) -> list[Page]:
-        ns = self.namespaces[part]
-        return [
-            Page(make_key(g, ns), g, ns, self.pool.page_buffers(i * PAGE_SIZE, part, self.split))
-            for g, i in zip(groups, page_indices, strict=True)
-        ]
+        """The pages of head part ``part`` (the binding's pages, which are page-major over the parts)."""
+        batch = self.binding.slot_batch(groups, [i * PAGE_SIZE for i in page_indices], fill=False)
+        return list(batch.transfer.pages[part :: self.split])
 
     def transfer(self, pages) -> PageTransfer:
         return PageTransfer(self.kind, pages, zero_copy=True)
@@ -57,15 +75,10 @@ def make_rig(kind=PoolKind.KV, attention=Attention.MHA, layout=Layout.PAGE_FIRST
              kv_heads=4, tp_rank=0, tp_size=1, tp_lcm_size=None, allocator=None, model="test-model") -> Rig:
     spec = PoolSpec(kind=kind, attention=attention, layers=layers, page_size=PAGE_SIZE, dtype=torch.bfloat16,
                     layout=layout, kv_heads=kv_heads, head_dim=8, latent_dim=16)
-    split = (tp_lcm_size or tp_size) // tp_size
-    idents = pool_identities(
-        pool=kind, model=model, dtype="bfloat16", attention=attention, page_size=PAGE_SIZE, layers=layers,
-        layout=layout, kv_heads=kv_heads if attention is Attention.MHA else None, head_dim=8,
-        latent_dim=16, tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, tp_lcm_size=tp_lcm_size,
-        target_model=model,
-    )
-    return Rig(kind, attention, layout, HostPool(spec, num_pages, allocator=allocator),
-               [i.fingerprint() for i in idents], split)
+    parallel = ParallelConfig(tp_rank=tp_rank, tp_size=tp_size, tp_lcm_size=tp_lcm_size)
+    plan = plan_binding(spec, MooncakeBackend.capabilities, parallel, model=model, target_model=model)
+    assert plan.path.value == "zero_copy", plan.reason  # the rigs hand over host pool memory
+    return Rig(kind, attention, layout, PoolBinding(plan, HostPool(spec, num_pages, allocator=allocator)))
 
 
 def host_allocator(store: Store, kind: PoolKind = PoolKind.KV):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from hicache_draft.capabilities import Attention, Capabilities, HitPolicy, IOPath, PoolKind
@@ -179,6 +179,24 @@ def plan_binding(
     return BindingPlan(spec, choice.path, reason, split, tuple(i.fingerprint() for i in idents), writer)
 
 
+def blocked_by(specs: Mapping[str, PoolSpec], active: Mapping[str, bool],
+               reasons: Mapping[str, str]) -> dict[str, str]:
+    """Pools to disable because a pool they need is disabled, with the reason (the one rule of
+    which pool needs which): every pool needs the target's ``kv``, and the target's pages are
+    usable only with every target-role pool (KV without its indexer or its sliding window gives
+    wrong logits), so a disabled target-role pool disables every pool. A disabled draft-role
+    pool only makes restored pages draft-cold (the hit rule). ``active`` and ``reasons`` are each
+    pool's own verdict (its plan), not one this function gave."""
+    off = sorted((n for n, spec in specs.items() if spec.role is PoolKind.KV and not active.get(n, False)),
+                 key=lambda n: (n != PoolKind.KV, str(n)))  # named in one order, whatever the registration order
+    if not off:
+        return {}
+    first = off[0]
+    why = (f"the target {str(first)!r} pool is disabled ({reasons.get(first, '')}), so nothing is offloaded"
+           if first != PoolKind.KV else "the target 'kv' pool is disabled, so nothing is offloaded")
+    return {n: why for n in specs if active.get(n, False)}
+
+
 STAGING_BYTES = 256 << 20
 """The default staging area of one pool: up to this many bytes (16 to 128 pages)."""
 
@@ -287,6 +305,8 @@ class PoolBinding:
         return PathChoice(self.path, self.reason)
 
     def disable(self, reason: str) -> None:
+        """Stop offloading this pool because of another pool (:func:`blocked_by`); :attr:`plan`
+        keeps the pool's own verdict."""
         self.path, self.reason = IOPath.DISABLED, reason
 
     def keys(self, groups: Sequence[str]) -> list[str]:
@@ -312,8 +332,9 @@ class PoolBinding:
             return False
         try:
             store.register_pool(self.registration())
-        except BackendSetupError as exc:
-            self.disable(f"the backend refused the pool: {exc}")
+        except BackendSetupError as exc:  # the pool's own verdict: its plan says so too
+            self.plan = replace(self.plan, path=IOPath.DISABLED, reason=f"the backend refused the pool: {exc}")
+            self.disable(self.plan.reason)
             return False
         return True
 

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hicache_draft.bench.command import bench
+from hicache_draft.binding import blocked_by
 from hicache_draft.capabilities import Attention, IOPath, Layout, PoolKind
 from hicache_draft.config import Config, load_config
 from hicache_draft.demo.command import demo
@@ -165,12 +166,20 @@ def sglang_check_report(config: Config, extra_config: dict[str, Any]) -> dict[st
     if settings.legacy_draft_pool is not None:
         specs[PoolKind.DRAFT] = legacy_draft_spec(settings.legacy_draft_pool, kv)
         memory[PoolKind.DRAFT] = False
-    pools: dict[str, Any] = {}
+    plans = {}
     kv_active = True
     for name, spec in specs.items():
-        plan = plan_pool(spec, where, info.capabilities, has_memory=memory[name], kv_active=kv_active)
+        plans[name] = plan = plan_pool(spec, where, info.capabilities, has_memory=memory[name], kv_active=kv_active)
         kv_active = kv_active and (name != PoolKind.KV or plan.path is not IOPath.DISABLED)
-        pools[str(name)] = {**plan.as_dict(), "namespaces": list(plan.namespaces)}
+    blocked = blocked_by({n: p.spec for n, p in plans.items()},
+                         {n: p.path is not IOPath.DISABLED for n, p in plans.items()},
+                         {n: p.reason for n, p in plans.items()})
+    pools: dict[str, Any] = {}
+    for name, plan in plans.items():
+        row = {**plan.as_dict(), "namespaces": list(plan.namespaces)}
+        if name in blocked:
+            row.update(path=IOPath.DISABLED.value, reason=blocked[name])
+        pools[str(name)] = row
     return {
         "backend": info.name, "backend_default": settings.backend is None, "distribution": info.distribution,
         "capabilities": info.capabilities.summary(), "pools": pools, "sglang": True,

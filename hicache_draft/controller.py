@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from hicache_draft.backend import BackendContext
-from hicache_draft.binding import Batch, PathChoice, PoolBinding, usable_hit
-from hicache_draft.capabilities import Component, HitPolicy, PoolKind
+from hicache_draft.binding import Batch, PathChoice, PoolBinding, blocked_by, usable_hit
+from hicache_draft.capabilities import Component, HitPolicy, IOPath, PoolKind
 from hicache_draft.config import Config, OnMiss, PrefetchPolicy
 from hicache_draft.keys import page_hashes
 from hicache_draft.metrics import Metrics, config_observers
@@ -168,7 +168,7 @@ class CacheController:
         self._host_memory_owners: list[object] = []
         given = dict(pools or {})
         self._bindings: dict[str, PoolBinding] = {}
-        for name, plan in plan_pools(config, store.capabilities).items():
+        for name, plan in plan_pools(config, store.capabilities, settle=False).items():  # own verdicts
             host = given.pop(name, None) or HostPool(
                 plan.spec, num_pages, allocator=allocator or self._backend_allocator(name)
             )
@@ -240,10 +240,14 @@ class CacheController:
         for name, b in self._bindings.items():
             if b.active and not b.register(self.store):
                 log.warning("%s pool offload disabled: %s", name, b.reason)
-        if not self._bindings[PoolKind.KV].active:
-            for name, b in self._bindings.items():
-                if name != PoolKind.KV and b.active:
-                    b.disable("the target 'kv' pool is disabled, so nothing is offloaded")
+        bs = self._bindings
+        blocked = blocked_by({n: b.spec for n, b in bs.items()},
+                             {n: b.plan.path is not IOPath.DISABLED for n, b in bs.items()},
+                             {n: b.plan.reason for n, b in bs.items()})
+        for name, why in blocked.items():
+            bs[name].disable(why)
+        if blocked:
+            log.warning("offload disabled: %s", next(iter(blocked.values())))
 
     @property
     def bindings(self) -> dict[str, PoolBinding]:

@@ -8,7 +8,9 @@ disagree. Nothing here looks at a backend's name or needs torch.
 
 from __future__ import annotations
 
-from hicache_draft.binding import BindingPlan, PathChoice, choose_path, plan_binding
+from dataclasses import replace
+
+from hicache_draft.binding import BindingPlan, PathChoice, blocked_by, choose_path, plan_binding
 from hicache_draft.capabilities import Attention, Capabilities, IOPath, Layout, PoolKind
 from hicache_draft.config import Config, ExtraPoolConfig, Role
 from hicache_draft.pools import PoolSpec
@@ -67,16 +69,20 @@ def models(config: Config, spec: PoolSpec) -> tuple[str, str]:
     return model, ns.model
 
 
-def plan_pools(config: Config, caps: Capabilities) -> dict[str, BindingPlan]:
-    """Every pool's plan on this rank (target first: every other pool needs it)."""
+def plan_pools(config: Config, caps: Capabilities, *, settle: bool = True) -> dict[str, BindingPlan]:
+    """Every pool's plan on this rank (target first), with :func:`~hicache_draft.binding.blocked_by`
+    applied unless ``settle`` is False (each pool's own verdict): a target pool that cannot be
+    offloaded disables every pool."""
     plans: dict[str, BindingPlan] = {}
-    kv_active = True
     for name, spec in pool_specs(config).items():
         model, target = models(config, spec)
-        plans[name] = plan_binding(spec, caps, config.parallel, model=model, target_model=target, kv_active=kv_active)
-        if name == PoolKind.KV:
-            kv_active = plans[name].path is not IOPath.DISABLED
-    return plans
+        plans[name] = plan_binding(spec, caps, config.parallel, model=model, target_model=target)
+    if not settle:
+        return plans
+    blocked = blocked_by({n: p.spec for n, p in plans.items()},
+                         {n: p.path is not IOPath.DISABLED for n, p in plans.items()},
+                         {n: p.reason for n, p in plans.items()})
+    return {n: replace(p, path=IOPath.DISABLED, reason=blocked[n]) if n in blocked else p for n, p in plans.items()}
 
 
 def plan_paths(config: Config, caps: Capabilities) -> dict[str, PathChoice]:

@@ -382,3 +382,27 @@ def test_a_binding_refuses_a_host_pool_of_another_shape():
     plan = plan_binding(spec, ALL_CAPS, ParallelConfig(), model="m", target_model="m")
     with pytest.raises(ValueError, match="does not match"):
         PoolBinding(plan, HostPool(row_spec(Layout.PAGE_FIRST, (9,)), 2))
+
+
+def test_a_target_pool_the_backend_cannot_hold_disables_every_pool(memory):
+    """KV restored without its indexer gives wrong logits: a backend that does not hold the target's
+    indexer offloads nothing for this model (the reason names the pool); check says the same."""
+    kv_only = Capabilities(pools={PoolKind.KV: PoolCapability(attention=frozenset(Attention),
+                                                                zero_copy_layouts=frozenset(Layout)),
+                                  PoolKind.DRAFT: every_component()}, persistent=True)
+    register_backend("memory", type("KvOnly", (MemoryBackend,), {"capabilities": kv_only}))
+    cfg = config([INDEXER, DRAFT_INDEXER])
+    ctrl = controller(cfg)
+    try:
+        assert not any(b.active for b in ctrl.bindings.values())
+        assert all("the target 'indexer' pool is disabled" in b.reason for n, b in ctrl.bindings.items()
+                   if n != "indexer")
+        fill(ctrl, 6)
+        assert ctrl.backup(TOKENS, SLOTS).pages_written == {}
+        got = ctrl.prefetch(TOKENS, [s + PS for s in SLOTS])
+        assert (got.pages, got.tokens) == (0, 0)
+        plan = plan_paths(cfg, kv_only)
+        assert {n: c.path for n, c in plan.items()} == {n: IOPath.DISABLED for n in plan}
+        assert "does not declare the 'indexer' component" in plan["indexer"].reason
+    finally:
+        ctrl.close()

@@ -14,9 +14,12 @@ from typing import Any
 import harness as h
 import pytest
 
-from hicache_draft import Attention, PoolKind
+from hicache_draft import Attention, Capabilities, Component, PoolCapability, PoolKind
 from hicache_draft.cli import sglang_check_report
 from hicache_draft.config import Config
+from hicache_draft.plugins import register_backend, unregister_backend
+from hicache_draft.testing import MemoryBackend
+from hicache_draft.testing.memory import all_layouts
 
 pytestmark = pytest.mark.usefixtures("memory_backend")
 
@@ -135,3 +138,31 @@ def test_check_agrees_with_the_adapter_on_dsa_and_swa_models(tmp_path, model):
         assert_agree(rig)
     finally:
         rig.close()
+
+
+def _declaring(kv: set[Component], draft: set[Component]) -> type[MemoryBackend]:
+    def cap(components: set[Component]) -> PoolCapability:
+        return PoolCapability(attention=frozenset(Attention), zero_copy_layouts=all_layouts(),
+                              components=frozenset(components))
+
+    caps = Capabilities(pools={PoolKind.KV: cap(kv), PoolKind.DRAFT: cap(draft)}, split_heads=True, persistent=True)
+    return type("Declaring", (MemoryBackend,), {"capabilities": caps})
+
+
+@pytest.mark.parametrize(("kv", "draft", "active"), [
+    ({Component.KV}, set(Component), set()),  # no target indexer: KV alone is unusable, nothing is offloaded
+    (set(Component), {Component.KV}, {"kv", "indexer", "draft"}),  # no draft indexer: that pool only
+], ids=["no-target-indexer", "no-draft-indexer"])
+def test_check_agrees_with_the_adapter_when_the_backend_lacks_a_component(tmp_path, kv, draft, active):
+    register_backend("partial", _declaring(kv, draft))
+    try:
+        extra = h.extra_config("", backend="partial", options={"space": tmp_path.name})
+        rig = h.Rig(h.Shape("mla", 2), h.Shape("mla", 1), "page_first", extra, model="dsa",
+                    page_size=h.DSA_PAGE_SIZE, device_tokens=4 * h.DSA_PAGE_SIZE)
+        try:
+            assert {str(n) for n, b in rig.adapter.bindings.items() if b.active} == active
+            assert_agree(rig)
+        finally:
+            rig.close()
+    finally:
+        unregister_backend("partial")

@@ -191,7 +191,7 @@ class CacheController:
                 what = "KV" if b.spec.component is Component.KV else b.spec.component.value
                 log.warning(
                     "draft %s offload disabled for backend %r (pool %r): %s; restored pages will be reported "
-                    "draft-cold", what, store.name, name, b.reason,
+                    "draft-cold", what, store.name, str(name), b.reason,
                 )
         self._held: list[tuple[Future[Any], tuple[int, ...]]] = []
         self._held_lock = threading.Lock()

@@ -460,6 +460,10 @@ class CacheController:
             if any(ok[b.name] < end for b in gate):
                 break
         pages = min((ok[b.name] for b in gate), default=0)
+        if any(b.spec.hit_policy is HitPolicy.TRAILING_PAGES for b in self._bindings.values()):
+            # windows sit at the end of the prefix: load them where every rank ends (every rank enters
+            # this collective whenever the config has a trailing pool, whatever its local state)
+            pages = self._agree(pages)
         if trailing and pages and not stopped:
             lo = [max(0, pages - b.spec.window_pages) for b in trailing]
             windows = [(b, b.slot_batch(hashes[a:pages], host_slots[a:pages], fill=False))

@@ -104,3 +104,44 @@ def test_every_rank_enters_the_collectives_when_one_rank_has_its_pool_disabled(m
         result = dict(out)
     # rank 1 can restore nothing, so neither rank reports a prefix the other does not hold
     assert result == {0: (0, 0), 1: (0, 0)}
+
+
+def _window_rank_main(rank: int, world: int, port: int, space: str, out: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hicache_draft import page_hashes
+    from hicache_draft.testing import MemoryBackend
+    from tests.helpers import make_config, make_controller, slots, tokens
+
+    _join(dist, rank, world, port)
+    try:
+        swa = {"name": "swa", "attention": "mha", "kv_heads": 2, "head_dim": 8, "layers": 1, "window_pages": 2}
+        cfg = make_config("mha", None, tp_rank=rank, tp_size=world, pools=[swa])
+        writer = make_controller(cfg, space=space)
+        for b in writer.bindings.values():
+            b.host.raw.copy_(torch.randint(0, 256, b.host.raw.shape, dtype=torch.uint8))
+        toks = tokens(6)
+        writer.backup(toks, slots(range(6)))
+        stored = [writer.host_pool("swa").page_bytes(s) for s in slots(range(6))]
+        if rank == 1:  # this rank's target page 3 exists but its read fails: its prefix ends at 3
+            MemoryBackend.faults.fail_get_keys.add(writer.keys_for("kv", page_hashes(toks, 4))[3])
+        dist.barrier()
+        reader = make_controller(cfg, space=space)
+        res = reader.prefetch(toks, slots(range(8, 14)))
+        got = [reader.host_pool("swa").page_bytes(s) for s in slots(range(8, 14))]
+        out[rank] = (res.pages, res.restored["swa"], got[1:3] == stored[1:3])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_trailing_windows_are_loaded_where_every_rank_ends(monkeypatch):
+    """Rank 1's prefix ends at 3 during the reads (not in the existence query): both ranks restore 3
+    pages, and rank 0's sliding window is the one of pages 1-2, not of its own longer prefix."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    world = 2
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_window_rank_main, args=(world, _free_port(), secrets.token_hex(4), out), nprocs=world, join=True)
+        result = dict(out)
+    assert result == {0: (3, 2, True), 1: (3, 2, True)}

@@ -197,6 +197,17 @@ def blocked_by(specs: Mapping[str, PoolSpec], active: Mapping[str, bool],
     return {n: why for n in specs if active.get(n, False)}
 
 
+def settle(bindings: Mapping[str, PoolBinding]) -> str | None:
+    """Apply :func:`blocked_by` to bindings (each pool's own verdict is its :attr:`PoolBinding.plan`):
+    disable the pools a disabled pool makes useless; the reason, or None when none is."""
+    blocked = blocked_by({n: b.spec for n, b in bindings.items()},
+                         {n: b.plan.path is not IOPath.DISABLED for n, b in bindings.items()},
+                         {n: b.plan.reason for n, b in bindings.items()})
+    for name, why in blocked.items():
+        bindings[name].disable(why)
+    return next(iter(blocked.values()), None)
+
+
 STAGING_BYTES = 256 << 20
 """The default staging area of one pool: up to this many bytes (16 to 128 pages)."""
 

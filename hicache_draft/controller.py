@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from hicache_draft.backend import BackendContext
-from hicache_draft.binding import Batch, PathChoice, PoolBinding, blocked_by, usable_hit
-from hicache_draft.capabilities import Component, HitPolicy, IOPath, PoolKind
+from hicache_draft.binding import Batch, PathChoice, PoolBinding, settle, usable_hit
+from hicache_draft.capabilities import Component, HitPolicy, PoolKind
 from hicache_draft.config import Config, OnMiss, PrefetchPolicy
 from hicache_draft.keys import page_hashes
 from hicache_draft.metrics import Metrics, config_observers
@@ -240,14 +240,9 @@ class CacheController:
         for name, b in self._bindings.items():
             if b.active and not b.register(self.store):
                 log.warning("%s pool offload disabled: %s", name, b.reason)
-        bs = self._bindings
-        blocked = blocked_by({n: b.spec for n, b in bs.items()},
-                             {n: b.plan.path is not IOPath.DISABLED for n, b in bs.items()},
-                             {n: b.plan.reason for n, b in bs.items()})
-        for name, why in blocked.items():
-            bs[name].disable(why)
-        if blocked:
-            log.warning("offload disabled: %s", next(iter(blocked.values())))
+        why = settle(self._bindings)
+        if why:
+            log.warning("offload disabled: %s", why)
 
     @property
     def bindings(self) -> dict[str, PoolBinding]:

@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 import torch
 
 from hicache_draft.backend import BackendContext
-from hicache_draft.binding import Batch, PoolBinding, Staging, blocked_by, staging_pages, usable_hit
+from hicache_draft.binding import Batch, PoolBinding, Staging, settle, staging_pages, usable_hit
 from hicache_draft.capabilities import HitPolicy, IOPath, PoolKind
 from hicache_draft.errors import ConfigError
 from hicache_draft.integrations.sglang_config import (
@@ -313,14 +313,9 @@ class HiCacheDraftStorage(HiCacheStorage):
         self.bindings[name] = self._bind(spec, host)
         if name == PoolKind.KV and self.settings.legacy_draft_pool is not None and PoolKind.DRAFT not in self.bindings:
             self.bindings[PoolKind.DRAFT] = self._bind(legacy_draft_spec(self.settings.legacy_draft_pool, spec), None)
-        bs = self.bindings  # a target pool the backend cannot hold makes every pool useless (the binding's rule)
-        blocked = blocked_by({n: b.spec for n, b in bs.items()},
-                             {n: b.plan.path is not IOPath.DISABLED for n, b in bs.items()},
-                             {n: b.plan.reason for n, b in bs.items()})
-        for held, why in blocked.items():
-            bs[held].disable(why)
-        if blocked:
-            self._warn_once("blocked", "hicache-draft: offload disabled: %s", next(iter(blocked.values())))
+        why = settle(self.bindings)  # a target pool the backend cannot hold makes every pool useless
+        if why:
+            self._warn_once("blocked", "hicache-draft: offload disabled: %s", why)
 
     def _bind(self, spec: PoolSpec, host: HostPool | None) -> PoolBinding:
         """Plan, stage and register one pool (the binding's rules; staging sized for SGLang's batch)."""

@@ -11,7 +11,9 @@ this module, so they cannot disagree:
   **keys**, **page building** for host slots or flat pages (zero-copy buffers, or staging copies
   on the generic path), the copy back of staged pages that came back, and the per-page result
   rule (a page is OK only if every head part is).
-* :func:`usable_hit` is the **hit rule** over any number of pools.
+* :func:`usable_hit` is the **hit rule** over any number of pools, and :func:`blocked_by` /
+  :func:`settle` say **which pool needs which** (every pool the target's ``kv``; the target every
+  pool of its own).
 
 Split heads (``tp_lcm_size > tp_size``; SGLang's ``should_split_heads``): an MHA pool whose heads
 divide by ``split = tp_lcm_size / tp_size`` stores each head group under its own key, so servers

@@ -538,7 +538,7 @@ class HiCacheDraftStorage(HiCacheStorage):
     ) -> Any:
         """The usable hit over the target KV and every transfer's pool: ALL_PAGES pools over the
         whole prefix, TRAILING_PAGES pools over their last ``len(transfer.keys)`` pages; a pool
-        we do not hold gives no hit if it is ALL_PAGES (its pages could not be restored)."""
+        we do not hold gives no hit (its pages could not be restored)."""
         pools: list[tuple[PoolBinding | None, int | None]] = []
         trailing = False
         for t in pool_transfers or []:

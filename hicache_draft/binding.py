@@ -231,7 +231,7 @@ class Staging:
         self.page_nbytes = page_nbytes
         self.pages = pages
         self.lock = threading.Lock()
-        self.tensor = import_torch().zeros(pages * page_nbytes, dtype=import_torch().uint8)
+        self.tensor = self._memory()
         self._parts: dict[int, list[tuple[tuple[Buffer], torch.Tensor]]] = {}
 
     def region(self) -> Buffer:
@@ -248,9 +248,13 @@ class Staging:
             self._parts[nbytes] = got
         return got
 
+    def _memory(self) -> torch.Tensor:
+        torch = import_torch()
+        return torch.zeros(self.pages * self.page_nbytes, dtype=torch.uint8)
+
     def replace(self) -> None:
         """Abandon the current memory to a call that may still use it (its Buffers keep it alive)."""
-        self.tensor = import_torch().zeros(self.pages * self.page_nbytes, dtype=import_torch().uint8)
+        self.tensor = self._memory()
         self._parts = {}
 
 

@@ -206,6 +206,8 @@ class ExtraPoolConfig(_Strict):
                 raise ValueError(f"pool {self.name!r}: attention 'mha' needs kv_heads and head_dim")
             if self.attention is Attention.MLA and self.latent_dim is None:
                 raise ValueError(f"pool {self.name!r}: attention 'mla' needs latent_dim")
+            if self.attention is Attention.MHA and self.sharded is False:
+                raise ValueError(f"pool {self.name!r}: an MHA pool is sharded by heads (sharded = false does not apply)")
         else:
             if self.row_bytes is None or any(r < 1 for r in self.row_bytes):
                 raise ValueError(f"pool {self.name!r} ({comp.value}) needs row_bytes: the bytes of one page in one "

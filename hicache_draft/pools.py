@@ -170,6 +170,8 @@ class PoolSpec:
             self._check_rows()
         if self.sharded is None:
             put("sharded", self.attention is Attention.MHA or self.component is Component.STATE)
+        elif not self.sharded and self.attention is Attention.MHA:
+            raise ValueError(f"pool {self.kind!r}: an MHA pool is sharded by heads (each rank holds its own)")
 
     def _check_attention(self) -> None:
         label = f"{self.component.value} pool {self.kind!r}"

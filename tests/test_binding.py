@@ -129,6 +129,8 @@ def test_a_row_pool_over_separate_tensors_is_the_same_pool():
     ({"rows": (8,), "layout": Layout.PAGE_HEAD}, "page_head"),
     ({"rows": (8,), "dtype": "bfloat16"}, "row pools are bytes"),
     ({"kind": "Bad-Name", "rows": (8,)}, "must match"),
+    ({"kind": "swa", "attention": Attention.MHA, "kv_heads": 2, "head_dim": 8, "dtype": "bfloat16",
+      "sharded": False}, "sharded by heads"),
 ])
 def test_pool_specs_name_what_is_wrong(kw, words):
     args: dict[str, Any] = dict(kind="indexer", attention=None, layers=1, page_size=PS, dtype="uint8",
@@ -359,6 +361,7 @@ def test_extra_pools_in_the_config_are_validated_with_clear_errors():
         ({"name": "indexer", "row_bytes": [8], "attention": "mla"}, "holds bytes"),
         ({"name": "kv", "row_bytes": [8]}, "configured by [target]"),
         ({"name": "Index", "row_bytes": [8]}, "pools.0.name"),
+        ({**WINDOW, "sharded": False}, "sharded by heads"),
     ]
     for pool, words in cases:
         with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):

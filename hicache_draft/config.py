@@ -207,7 +207,7 @@ class ExtraPoolConfig(_Strict):
             if self.attention is Attention.MLA and self.latent_dim is None:
                 raise ValueError(f"pool {self.name!r}: attention 'mla' needs latent_dim")
             if self.attention is Attention.MHA and self.sharded is False:
-                raise ValueError(f"pool {self.name!r}: an MHA pool is sharded by heads (sharded = false does not apply)")
+                raise ValueError(f"pool {self.name!r}: an MHA pool is sharded by heads (sharded = false is wrong)")
         else:
             if self.row_bytes is None or any(r < 1 for r in self.row_bytes):
                 raise ValueError(f"pool {self.name!r} ({comp.value}) needs row_bytes: the bytes of one page in one "

@@ -70,4 +70,14 @@ def install(release: str) -> None:
     os.environ.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", None)
     os.environ.pop("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", None)
     importlib.invalidate_caches()
+    # every release refuses a host pool unless the machine has 10 GiB available beyond it (a
+    # serving host's reserve for its other processes): on a shared CPU box the cases' pools of a few
+    # MiB would fail whenever others use the memory. Set before any module imports the constant.
+    base = importlib.import_module("sglang.srt.mem_cache.pool_host.base")
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = HOST_MEMORY_RESERVE_BYTES
+
+
+HOST_MEMORY_RESERVE_BYTES = 0
+"""The reserve the cases run with (SGLang's own is 10 GiB): the pools must still fit the memory
+the machine has available."""
 

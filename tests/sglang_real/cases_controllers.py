@@ -87,6 +87,22 @@ def test_smoke_round_trip(tmp_path, rigs, case, v1):
 
 
 @smoke
+def test_host_pools_build_on_a_machine_with_less_than_sglangs_10_gib_reserve_free(monkeypatch):
+    """SGLang refuses a host pool unless 10 GiB stay available beyond it (a serving host's reserve):
+    the bootstrap runs the cases without it, so a shared CPU box with 1 GiB free still builds the
+    cases' pools of a few KiB; a pool larger than what is available is still refused."""
+    import psutil
+
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1 << 30))
+    pool = h.host_pool(h.device_pool(MHA_T, 64, 4), "page_first")
+    assert pool.kv_buffer.numel() > 0
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1 << 10))
+    with pytest.raises(ValueError, match="[Nn]ot enough host memory"):
+        h.host_pool(h.device_pool(MHA_T, 64, 4), "page_first")
+
+
+@smoke
 @pytest.mark.parametrize("mode", HYBRID_MODES)
 def test_a_backup_longer_than_sglangs_storage_batch(tmp_path, rigs, mode):
     pages = h.STORAGE_BATCH_SIZE + 3

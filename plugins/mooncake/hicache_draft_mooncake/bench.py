@@ -18,26 +18,40 @@ get; the backend stores one object per page, header included, and checks existen
   timing, no verification: the Store row minus this row is what the core's header and
   verification cost.
 
-Native rows (no checksum, copy or Python work; the client the plugin's mode uses) measure each
-layout choice separately: K/V objects without the existence call, one slot per page (the staged
-layout), header slot + buffers (the direct layout; the plugin cannot be faster than the row of
-its own layout: its *ceiling*), the same in 16 MiB calls (the batch splitting the plugin did
-before), and the buffers without the header slot.
+Native rows (no checksum, copy or Python work) measure each layout choice separately: K/V objects
+without the existence call, one slot per page (the staged layout), header slot + buffers (the
+direct layout; the plugin cannot be faster than the row of its own layout: its *ceiling*), the
+same in 16 MiB calls (the batch splitting the plugin did before), and the buffers without the
+header slot. In shared-memory mode they run on the plugin's shared-memory client: Mooncake's own
+raw client at the same sizes, the ceiling of that mode.
 
-``costs`` (ms per batch, medians of per-round differences): the core's header making
-(``attach_headers`` timed alone) and verification (Store get - bare get), the Store's thread hop
-(Store set - bare set - header making), the baseline's existence call, the header slot (direct
-layout - buffers only), batch splitting (16 MiB calls - one call), and the backend's own work
+Noise (a shared 2-core machine; measured: Mooncake clients of one process differ in speed by up to
+2x depending on what else they were used for, and the machine's load changes within seconds):
+
+* every variant has its own client (TCP mode) that makes only that variant's calls, and its
+  reference is the baseline's calls **on that same client**, run right before and right after it
+  (B v B; over shared memory the reference is the baseline's own TCP client, since a
+  shared-memory client cannot make a plain TCP client's calls); the variant's ratio in a round is
+  the mean of the two reference runs over its own time, the order of the variants rotates from
+  round to round, and a row's ratio is the median of its per-round ratios (all of them are in the
+  JSON report);
+* ``baseline, 2nd client`` is the baseline on a client of its own, measured as a variant: its
+  ratios (ideally 1.0) show how far two identical clients differ in this run;
+* fresh keys every run, removed (forced) right after it outside the timed region, so every run
+  writes into freshly freed segment memory; the holder's segment is written once before the first
+  round (its memory is touched lazily); an unused client is opened first (the first client of a
+  process was measured about 25% slower on gets).
+
+``costs`` (ms per batch, medians of per-round differences of times normalised by their paired
+baseline): the core's header making (``attach_headers`` timed alone: one xxh3 pass over the
+page) and verification (Store get - bare get), the Store's thread hop (Store set - bare set -
+header making), the baseline's existence call, the header slot (direct layout - buffers only),
+batch splitting (16 MiB calls - one call), one object vs K/V objects, and the backend's own work
 over its layout (bare hooks - native row of the same layout: staging copies, Python).
 
-Existence: ``page_exists`` for the target and draft keys of the batch in one call, as the
-controller asks it (two keys per page), against ``batch_is_exist`` over the baseline's K and V
-keys (two per page); both reported per key. Fresh keys every round; keys are force-removed outside
-the timed region; the order of the variants rotates from round to round (the first writer into
-freshly freed segment memory is faster) and the holder's segment is written once before the first
-round (its memory is touched lazily), and an unused client is opened first (the first client of
-a process was measured about 25% slower on gets). Numbers are medians over rounds; ratios compare medians
-measured in the same run.
+Checks (the CI test asserts them, never a timing): every call of every variant answered OK, every
+get returned the bytes that were put (compared outside the timing), existence found every page,
+the core found no corrupt page.
 """
 
 from __future__ import annotations
@@ -47,7 +61,7 @@ import secrets
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +86,14 @@ from hicache_draft_mooncake.service import MooncakeService
 # MHA page_first, bfloat16, 4 layers x 8 heads x 64 dims: 8 KiB per token.
 _TOKEN_NBYTES = 2 * 4 * 8 * 64 * 2
 
+GOALS = {"tcp": 1.0, "shm": 2.0}
+"""Issue 15: set and get against the baseline, per mode."""
+
+Times = dict[str, list[float]]
+"""Per measure (``set``, ``get``, ``exist``, ...): seconds, one entry per run."""
+
+MEASURES = ("set", "get", "exist")
+
 
 @dataclass
 class Row:
@@ -81,31 +103,81 @@ class Row:
     pages: int
     set_gbps: float
     get_gbps: float
-    base_set_gbps: float
-    base_get_gbps: float
+    set_ratio: float
+    get_ratio: float
+    set_ratios: list[float] = field(default_factory=list)
+    get_ratios: list[float] = field(default_factory=list)
     exist_us_per_key: float | None = None
-    base_exist_us_per_key: float | None = None
     costs_ms: dict[str, float] | None = None
-
-    @property
-    def set_ratio(self) -> float:
-        return self.set_gbps / self.base_set_gbps
-
-    @property
-    def get_ratio(self) -> float:
-        return self.get_gbps / self.base_get_gbps
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
             "mode": self.mode, "variant": self.variant, "page_bytes": self.page_nbytes, "pages": self.pages,
             "set_gbps": round(self.set_gbps, 3), "get_gbps": round(self.get_gbps, 3),
-            "set_ratio": round(self.set_ratio, 2), "get_ratio": round(self.get_ratio, 2),
+            "set_ratio": round(self.set_ratio, 3), "get_ratio": round(self.get_ratio, 3),
+            "set_ratios": [round(x, 3) for x in self.set_ratios], "get_ratios": [round(x, 3) for x in self.get_ratios],
         }
         if self.exist_us_per_key is not None:
             out["exist_us_per_key"] = round(self.exist_us_per_key, 2)
         if self.costs_ms is not None:
             out["costs_ms"] = {k: round(v, 2) for k, v in self.costs_ms.items()}
         return out
+
+
+@dataclass
+class Goal:
+    """One goal line: the plugin row's ratio against the goal, with the ceiling of the same run."""
+
+    mode: str
+    page_nbytes: int
+    op: str
+    variant: str
+    ratio: float
+    ratios: list[float]
+    goal: float
+    ceiling_variant: str
+    ceiling: float
+    raw_variant: str
+    raw: float
+    control: float
+
+    @property
+    def met(self) -> bool:
+        return self.ratio >= self.goal
+
+    def as_dict(self) -> dict[str, object]:
+        return {"mode": self.mode, "page_bytes": self.page_nbytes, "op": self.op, "variant": self.variant,
+                "ratio": round(self.ratio, 3), "ratios": [round(x, 3) for x in self.ratios], "goal": self.goal,
+                "met": self.met, "ceiling_variant": self.ceiling_variant, "ceiling": round(self.ceiling, 3),
+                "raw_variant": self.raw_variant, "raw": round(self.raw, 3), "control": round(self.control, 3)}
+
+
+@dataclass
+class Report:
+    rows: list[Row]
+    goals: list[Goal]
+    checks: dict[str, bool]
+
+    def as_dict(self) -> dict[str, object]:
+        return {"rows": [r.as_dict() for r in self.rows], "goals": [g.as_dict() for g in self.goals],
+                "checks": dict(self.checks)}
+
+
+class Checks:
+    """What must hold in every run (the CI test asserts it): counts of runs that broke each rule."""
+
+    NAMES = ("every call OK", "every get byte-exact", "existence found every page", "no corrupt page")
+
+    def __init__(self) -> None:
+        self.broken: dict[str, list[str]] = {n: [] for n in self.NAMES}
+
+    def expect(self, name: str, ok: bool, who: str) -> bool:
+        if not ok:
+            self.broken[name].append(who)
+        return ok
+
+    def result(self) -> dict[str, bool]:
+        return {n: not v for n, v in self.broken.items()}
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -127,22 +199,65 @@ def _host_allocator(store: Store) -> Callable[[int], torch.Tensor] | None:
     return alloc
 
 
-Times = dict[str, list[float]]
-"""Per variant and measure (``set``, ``get``, ``exist``, ...): seconds, one entry per round."""
+def _same(a: HostPool, b: HostPool) -> bool:
+    assert a.raw is not None and b.raw is not None
+    return torch.equal(a.raw, b.raw)
+
+
+class _Baseline:
+    """MooncakeStore's calls on a client of its own: existence, then K/V objects."""
+
+    def __init__(self, name: str, client: Any, pools: tuple[HostPool, HostPool], cfg: Any,  # noqa: ANN401
+                 checks: Checks, held: list[tuple[Any, int, Any]]) -> None:  # noqa: ANN401
+        """``pools``: source (holding the pages' bytes) and destination, registered here with
+        ``client`` (and put on ``held``, to unregister before the client closes)."""
+        self.name, self.client, self.cfg, self.checks = name, client, cfg, checks
+        self.src, self.dst = pools
+        for pool in pools:
+            assert pool.raw is not None
+            client.register_buffer(pool.raw.data_ptr(), pool.raw.numel())
+            held.append((client, pool.raw.data_ptr(), None))
+        slots = [i * self.src.spec.page_size for i in range(self.src.num_pages)]
+        (self.src_ptrs, self.sizes), (self.dst_ptrs, _) = (p.page_buffer_meta(slots) for p in pools)
+
+    def round(self, groups: list[str], out: Times) -> list[str]:
+        c, tag = self.client, secrets.token_hex(4)
+        keys = [f"{tag}-{g}-{part}" for g in groups for part in range(2)]
+        t0 = time.perf_counter()
+        there = c.batch_is_exist(keys)
+        t1 = time.perf_counter()
+        todo = [i for i, e in enumerate(there) if e != 1]
+        rc = c.batch_put_from([keys[i] for i in todo], [self.src_ptrs[i] for i in todo],
+                              [self.sizes[i] for i in todo], self.cfg)
+        t2 = time.perf_counter()
+        self.checks.expect("every call OK", len(todo) == len(keys) and all(r == 0 for r in rc), self.name)
+        out["set"].append(t2 - t0)
+        out["base exist"].append(t1 - t0)
+        assert self.dst.raw is not None
+        self.dst.raw.fill_(0)
+        t, rc = _timed(lambda: c.batch_get_into(keys, self.dst_ptrs, self.sizes))
+        self.checks.expect("every call OK", all(r >= 0 for r in rc), self.name)
+        out["get"].append(t)
+        self.checks.expect("every get byte-exact", _same(self.src, self.dst), self.name)
+        t, there = _timed(lambda: c.batch_is_exist(keys))
+        self.checks.expect("existence found every page", all(e == 1 for e in there), self.name)
+        out["exist"].append(t / len(keys))
+        return keys
 
 
 class _Plugin:
     """One plugin Store with its own source/destination host pools."""
 
     def __init__(self, name: str, opts: dict[str, Any], spec: PoolSpec, pages: int, data: torch.Tensor,
-                 bare: bool = False) -> None:
-        self.name = name
+                 checks: Checks, bare: bool = False) -> None:
+        self.name, self.checks = name, checks
         self.bare = bare  # also time the backend's own hooks (no core header or verification)
         self.store = Store.open("mooncake", opts)
         alloc = _host_allocator(self.store)
         self.spec = spec
         self.src = HostPool(spec, pages, allocator=alloc)
         self.dst = HostPool(spec, pages, allocator=alloc)
+        assert self.src.raw is not None and self.dst.raw is not None
         self.src.raw.copy_(data)
         self.dst.raw.fill_(0)
         self.ns = secrets.token_hex(12)
@@ -161,23 +276,33 @@ class _Plugin:
         ps, ns = self.spec.page_size, ns or self.ns
         return [Page(make_key(g, ns), g, ns, pool.page_buffers(i * ps)) for i, g in enumerate(groups)]
 
+    def _ok(self, res: dict[str, list[Any]], pool: str) -> None:
+        self.checks.expect("every call OK", all(x == 0 for x in res[pool]), self.name)
+
+    def _read_back(self) -> None:
+        self.checks.expect("every get byte-exact", _same(self.src, self.dst), self.name)
+        self.checks.expect("no corrupt page", self.store.corrupt_pages == 0, self.name)
+        assert self.dst.raw is not None
+        self.dst.raw.fill_(0)
+
     def round(self, groups: list[str], out: Times) -> list[str]:
-        """One timed round; the Mooncake keys it stored (for removal)."""
+        """One timed run; the Mooncake keys it stored (for removal)."""
         w, r = self.pages(self.src, groups), self.pages(self.dst, groups)
         t, res = _timed(lambda: self.store.page_set([PageTransfer(PoolKind.KV, w, True)]))
-        assert all(x == 0 for x in res[PoolKind.KV]), (self.name, res)
+        self._ok(res, PoolKind.KV)
         out["set"].append(t)
         t, res = _timed(lambda: self.store.page_get([PageTransfer(PoolKind.KV, r, True)]))
-        assert all(x == 0 for x in res[0][PoolKind.KV]), (self.name, res)
+        self._ok(res[0], PoolKind.KV)
         out["get"].append(t)
+        self._read_back()
         # existence as the controller asks it: target and draft keys of the prefix in one call
         # (two keys per page, like the baseline's K and V objects); draft pages stored untimed
         d = self.pages(self.src, groups, self.draft_ns)
-        res = self.store.page_set([PageTransfer(PoolKind.DRAFT, d, True)])
-        assert all(x == 0 for x in res[PoolKind.DRAFT]), (self.name, res)
+        self._ok(self.store.page_set([PageTransfer(PoolKind.DRAFT, d, True)]), PoolKind.DRAFT)
         query = {PoolKind.KV: [p.key for p in w], PoolKind.DRAFT: [p.key for p in d]}
         t, n = _timed(lambda: self.store.page_exists(query))
-        assert n == {PoolKind.KV: len(w), PoolKind.DRAFT: len(d)}, (self.name, n)
+        self.checks.expect("existence found every page", n == {PoolKind.KV: len(w), PoolKind.DRAFT: len(d)},
+                           self.name)
         out["exist"].append(t / (len(w) + len(d)))
         keys = [self.backend.key(p) for p in (*w, *d)]
         if self.bare:
@@ -186,44 +311,54 @@ class _Plugin:
 
     def _bare_round(self, groups: list[str], out: Times) -> list[str]:
         """The backend's hooks alone, as the Store hands them pages (headers made, timed apart)."""
-        ns = secrets.token_hex(12)  # fresh keys: the Store round's pages exist already
+        ns = secrets.token_hex(12)  # fresh keys: the Store run's pages exist already
         t, w = _timed(lambda: self.store.attach_headers(
             [PageTransfer(PoolKind.KV, self.pages(self.src, groups, ns), True)], made=True))
         out["header"].append(t)
         r = self.store.attach_headers([PageTransfer(PoolKind.KV, self.pages(self.dst, groups, ns), True)], made=False)
         deadline = time.monotonic() + self.store.timeout_s
         t, res = _timed(lambda: self.backend.page_set(w, deadline))
-        assert all(x == 0 for x in res[PoolKind.KV]), (self.name, res)
+        self._ok(res, PoolKind.KV)
         out["bare set"].append(t)
         t, res = _timed(lambda: self.backend.page_get(r, deadline))
-        assert all(x == 0 for x in res[PoolKind.KV]), (self.name, res)
+        self._ok(res, PoolKind.KV)
         out["bare get"].append(t)
+        self._read_back()
         return [self.backend.key(p) for p in w[0].pages]
 
 
-class _Native:
-    """The native calls of each layout on one client, over the source/destination pools: no
-    checksum, no copy (staging slots are not filled), no Python work per page."""
+NATIVE = {  # row label: Mooncake objects per page
+    "native: K/V objects, no exist": 2,
+    "native: one slot per page": 1,
+    "native: header slot + buffers": 1,
+    "native: same, 16 MiB calls": 1,
+    "native: buffers, no header slot": 1,
+}
 
-    def __init__(self, client: Any, areas: list[int], pools: tuple[HostPool, HostPool], pages: int,  # noqa: ANN401
-                 cfg: Any) -> None:  # noqa: ANN401
-        """``areas``: two registered regions of ``pages * (page + HEADER_SIZE)`` bytes (staging
-        slots or header slots), one to write from, one to read into."""
-        self.client, self.cfg = client, cfg
+
+class _Native:
+    """The native calls of one layout (a row of :data:`NATIVE`) on one client, over shared
+    source/destination pools: no checksum, no copy (staging slots are not filled), no Python work
+    per page."""
+
+    def __init__(self, label: str, client: Any, areas: list[int], pools: tuple[HostPool, HostPool],  # noqa: ANN401
+                 pages: int, cfg: Any, checks: Checks) -> None:  # noqa: ANN401
+        """``areas``: two regions of ``pages * (page + HEADER_SIZE)`` bytes (staging slots or
+        header slots) registered with ``client``, one to write from, one to read into."""
+        self.name, self.client, self.cfg, self.checks, self.pools = label, client, cfg, checks, pools
         spec = pools[0].spec
-        self.page = spec.page_nbytes
         slots = [spec.page_size * i for i in range(pages)]
         self.kv = [pool.page_buffer_meta(slots) for pool in pools]  # flat K, V pointers and sizes
         per_page = [[pool.page_buffer_meta([s]) for s in slots] for pool in pools]
         self.multi = [([[a + i * HEADER_SIZE, *p] for i, (p, _) in enumerate(pp)], [[HEADER_SIZE, *n] for _, n in pp])
                       for a, pp in zip(areas, per_page, strict=True)]
         self.plain = [([p for p, _ in pp], [n for _, n in pp]) for pp in per_page]
-        self.slot = self.page + HEADER_SIZE
+        self.slot = spec.page_nbytes + HEADER_SIZE
         self.slots = [[a + i * self.slot for i in range(pages)] for a in areas]
+        self.put, self.get = self._calls()
 
-    def calls(self, label: str) -> tuple[Callable[[list[str]], list[int]], Callable[[list[str]], list[int]]]:
-        """(put, get) of the row ``label`` (see :data:`NATIVE`)."""
-        c, cfg = self.client, self.cfg
+    def _calls(self) -> tuple[Callable[[list[str]], list[int]], Callable[[list[str]], list[int]]]:
+        c, cfg, label = self.client, self.cfg, self.name
         if label == "native: K/V objects, no exist":
             (sp, ss), (dp, _) = self.kv
             return (lambda keys: c.batch_put_from(keys, sp, ss, cfg), lambda keys: c.batch_get_into(keys, dp, ss))
@@ -245,14 +380,23 @@ class _Native:
 
         return put, get
 
-
-NATIVE = {  # row label: Mooncake objects per page
-    "native: K/V objects, no exist": 2,
-    "native: one slot per page": 1,
-    "native: header slot + buffers": 1,
-    "native: same, 16 MiB calls": 1,
-    "native: buffers, no header slot": 1,
-}
+    def round(self, groups: list[str], out: Times) -> list[str]:
+        tag = secrets.token_hex(4)
+        keys = [f"{tag}-{g}-{part}" for g in groups for part in range(NATIVE[self.name])]
+        t, rc = _timed(lambda: self.put(keys))
+        self.checks.expect("every call OK", all(r == 0 for r in rc), self.name)
+        out["set"].append(t)
+        into_pool = self.name != "native: one slot per page"  # that row reads into its slots
+        dst = self.pools[1]
+        assert dst.raw is not None
+        if into_pool:
+            dst.raw.fill_(0)
+        t, rc = _timed(lambda: self.get(keys))
+        self.checks.expect("every call OK", all(r >= 0 for r in rc), self.name)
+        out["get"].append(t)
+        if into_pool:
+            self.checks.expect("every get byte-exact", _same(self.pools[0], dst), self.name)
+        return keys
 
 
 def _warm(client: Any, segment: int, cfg: Any) -> None:  # noqa: ANN401
@@ -274,16 +418,20 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def _diff(a: list[float], b: list[float]) -> float:
-    """Median of per-round differences, in ms."""
-    return 1e3 * statistics.median([x - y for x, y in zip(a, b, strict=True)]) if a and b else 0.0
+@dataclass
+class _Result:
+    """One variant's runs in one case: raw times, and per round its times over its paired baseline."""
+
+    times: Times = field(default_factory=lambda: {m: [] for m in (*MEASURES, "base exist", "header", "bare set",
+                                                                     "bare get")})
+    rel: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MEASURES})
 
 
 def run_case(
-    svc: MooncakeService, mode: str, page_nbytes: int, pages: int, rounds: int, warm: bool = True
+    svc: MooncakeService, mode: str, page_nbytes: int, pages: int, rounds: int, checks: Checks, warm: bool = True
 ) -> list[Row]:
-    """The rows of one (mode, page size); raises AssertionError if any call fails. ``warm``: write
-    the holder's segment once first (see :func:`_warm`)."""
+    """The rows of one (mode, page size). ``warm``: write the holder's segment once first (see
+    :func:`_warm`)."""
     from mooncake.store import ReplicateConfig
 
     page_size = max(1, page_nbytes // _TOKEN_NBYTES)
@@ -292,138 +440,190 @@ def run_case(
     page = spec.page_nbytes
     data = torch.randint(0, 256, (pages * page,), dtype=torch.uint8)
     cfg = ReplicateConfig()
-    base = new_client(MooncakeOptions.model_validate(svc.backend_options()))
+    tcp_opts = MooncakeOptions.model_validate(svc.backend_options())
+    clients: list[Any] = []  # the bench's own TCP clients, closed last
+
+    def client() -> Any:  # noqa: ANN401
+        clients.append(new_client(tcp_opts))
+        return clients[-1]
+
     plugins: list[_Plugin] = []
-    held: list[tuple[Any, int, Any]] = []  # (client, ptr, keep-alive) registered for the native rows
+    held: list[tuple[Any, int, Any]] = []  # (client, ptr, keep-alive): unregistered before the clients close
+
+    def pools() -> tuple[HostPool, HostPool]:
+        src, dst = HostPool(spec, pages), HostPool(spec, pages)
+        assert src.raw is not None
+        src.raw.copy_(data)
+        return src, dst
+
     try:
-        bsrc, bdst = HostPool(spec, pages), HostPool(spec, pages)
-        bsrc.raw.copy_(data)
-        for pool in (bsrc, bdst):
-            base.register_buffer(pool.raw.data_ptr(), pool.raw.numel())
-        src_ptrs, sizes = bsrc.page_buffer_meta([i * page_size for i in range(pages)])
-        dst_ptrs, _ = bdst.page_buffer_meta([i * page_size for i in range(pages)])
+        bpools = pools()  # one pair for every baseline (runs never overlap)
+        base = _Baseline("baseline", client(), bpools, cfg, checks, held)
+        control = _Baseline("baseline, 2nd client", client(), bpools, cfg, checks, held)
         if mode == "tcp":
             opts = svc.backend_options()
-            staged = MooncakeOptions.model_validate(opts).staged_max_page_bytes >= page  # what auto picks
-            plugins = [_Plugin(f"plugin {m}", {**opts, "io_mode": m}, spec, pages, data, bare=(m == "staged") == staged)
-                       for m in ("staged", "direct")]
-            native_client, native_pools = base, (bsrc, bdst)
+            staged = tcp_opts.staged_max_page_bytes >= page  # what auto picks
+            plugins = [_Plugin(f"plugin {m}", {**opts, "io_mode": m}, spec, pages, data, checks,
+                               bare=(m == "staged") == staged) for m in ("staged", "direct")]
+            native_pools = pools()
+            native_clients = [client() for _ in NATIVE]
         else:
             opts = {**svc.backend_options(shm=True), "shm_pool_size": 5 * pages * (page + HEADER_SIZE) + (64 << 20)}
-            plugins = [_Plugin("plugin", opts, spec, pages, data, bare=True)]
-            native_client, staged = plugins[0].backend.native, False
+            plugins = [_Plugin("plugin", opts, spec, pages, data, checks, bare=True)]
+            staged = False
             native_pools = (plugins[0].src, plugins[0].dst)
+            native_clients = [plugins[0].backend.native] * len(NATIVE)  # one shm client per process and holder
         mem = plugins[0].backend._sess.mem
         areas = []
         for _ in range(2):
-            if native_client is base:
+            if mode == "tcp":
                 t = torch.zeros(pages * (page + HEADER_SIZE), dtype=torch.uint8)
-                base.register_buffer(t.data_ptr(), t.numel())
-                held.append((base, t.data_ptr(), t))
+                held.append((None, t.data_ptr(), t))
                 areas.append(t.data_ptr())
             else:
                 ptr, arr = mem.allocate(pages * (page + HEADER_SIZE))
                 held.append((None, ptr, arr))
                 areas.append(ptr)
-        native = _Native(native_client, areas, native_pools, pages, cfg)
-        calls = {label: native.calls(label) for label in NATIVE}
+        if mode == "tcp":
+            for c in native_clients:
+                for pool in native_pools:
+                    assert pool.raw is not None
+                    c.register_buffer(pool.raw.data_ptr(), pool.raw.numel())
+                    held.append((c, pool.raw.data_ptr(), None))
+                for a in areas:
+                    c.register_buffer(a, pages * (page + HEADER_SIZE))
+                    held.append((c, a, None))
+        natives = [_Native(label, c, areas, native_pools, pages, cfg, checks)
+                   for label, c in zip(NATIVE, native_clients, strict=True)]
         if warm:
-            _warm(base, svc.segment_size, cfg)
-        names = ["baseline", *(p.name for p in plugins), *NATIVE]
-        res: dict[str, Times] = {k: {m: [] for m in ("set", "get", "exist", "base exist", "header", "bare set",
-                                                      "bare get")} for k in names}
-        by_name = {p.name: p for p in plugins}
+            _warm(base.client, svc.segment_size, cfg)
+        # each variant's reference: over TCP the baseline's calls on the variant's own client (the
+        # speed of a Mooncake client of this process depends on its history: measured up to 1.45x
+        # between two clients making the same calls); a shared-memory client cannot make the
+        # baseline's calls, so there it is the baseline's own TCP client. The control's reference
+        # is the main baseline (another client): how far the clients differ.
+        ref: dict[str, _Baseline] = {control.name: base}
+        for v in [*plugins, *natives]:
+            ref[v.name] = base if mode == "shm" else _Baseline(
+                "baseline", v.backend.native if isinstance(v, _Plugin) else v.client, bpools, cfg, checks, held)
+        variants: list[Any] = [control, *plugins, *natives]
+        res: dict[str, _Result] = {v.name: _Result() for v in (base, *variants)}
         for n in range(rounds):
             groups = [secrets.token_hex(32) for _ in range(pages)]
-            gone: list[str] = []
-            for name in names[n % len(names) :] + names[: n % len(names)]:
-                out = res[name]
-                if name in by_name:
-                    gone += by_name[name].round(groups, out)
-                    continue
-                per_page = 2 if name == "baseline" else NATIVE[name]
-                tag = secrets.token_hex(4)
-                keys = [f"{tag}-{g}-{part}" for g in groups for part in range(per_page)]
-                gone += keys
-                if name == "baseline":  # MooncakeStore's batch_set: existence first, then the put
-                    t0 = time.perf_counter()
-                    there = base.batch_is_exist(keys)
-                    t1 = time.perf_counter()
-                    todo = [i for i, e in enumerate(there) if e != 1]
-                    rc = base.batch_put_from([keys[i] for i in todo], [src_ptrs[i] for i in todo],
-                                             [sizes[i] for i in todo], cfg)
-                    t2 = time.perf_counter()
-                    assert len(todo) == len(keys) and all(r == 0 for r in rc), rc
-                    out["set"].append(t2 - t0)
-                    out["base exist"].append(t1 - t0)
-                    t, rc = _timed(lambda: base.batch_get_into(keys, dst_ptrs, sizes))  # noqa: B023
-                    assert all(r >= 0 for r in rc), rc
-                    out["get"].append(t)
-                    t, _ = _timed(lambda: base.batch_is_exist(keys))  # noqa: B023
-                    out["exist"].append(t / len(keys))
-                    continue
-                put, get = calls[name]
-                t, rc = _timed(lambda: put(keys))  # noqa: B023
-                assert all(r == 0 for r in rc), (name, rc)
-                out["set"].append(t)
-                t, rc = _timed(lambda: get(keys))  # noqa: B023
-                assert all(r >= 0 for r in rc), (name, rc)
-                out["get"].append(t)
-            base.batch_remove(gone, True)
+            for v in variants[n % len(variants) :] + variants[: n % len(variants)]:
+                r, pair = res[v.name], []
+                for step in ("before", "variant", "after"):  # B v B on the variant's reference
+                    if step == "variant":
+                        base.client.batch_remove(v.round(groups, r.times), True)
+                        continue
+                    out: Times = {m: [] for m in r.times}
+                    base.client.batch_remove(ref[v.name].round(groups, out), True)
+                    for m, x in out.items():
+                        res["baseline"].times[m] += x
+                    pair.append(out)
+                for m in MEASURES:
+                    if len(r.times[m]) == n + 1:
+                        r.rel[m].append(r.times[m][-1] / ((pair[0][m][0] + pair[1][m][0]) / 2))
         return _rows(mode, page, pages, res, plugins, staged)
     finally:
+        for c, ptr, _ in held:
+            if c is not None:
+                c.unregister_buffer(ptr)
         for p in plugins:
             p.store.close()
-        for client, ptr, _ in held:
-            if client is not None:
-                client.unregister_buffer(ptr)
-        base.close()
+        for c in clients:
+            c.close()
 
 
-def _rows(mode: str, page: int, pages: int, res: dict[str, Times], plugins: list[_Plugin], staged: bool) -> list[Row]:
-    """Rows (GB/s from median seconds) and the cost breakdown on the row of the variant ``auto``
-    picks (ms per batch)."""
+def _rows(mode: str, page: int, pages: int, res: dict[str, _Result], plugins: list[_Plugin],
+          staged: bool) -> list[Row]:
+    """Rows (GB/s from median seconds, ratios as medians of per-round ratios) and the cost
+    breakdown on the row of the variant ``auto`` picks (ms per batch)."""
     total = pages * page
-    med = {k: {m: _med(v) for m, v in d.items()} for k, d in res.items()}
-    b = med["baseline"]
+    b = res["baseline"].times
+    base_ms = {m: 1e3 * _med(b[m]) for m in MEASURES}
 
-    def row(name: str, set_s: float, get_s: float, exist: float | None = None,
-            costs: dict[str, float] | None = None) -> Row:
-        return Row(mode, name, page, pages, total / set_s / 1e9, total / get_s / 1e9, total / b["set"] / 1e9,
-                   total / b["get"] / 1e9, exist * 1e6 if exist else None, b["exist"] * 1e6, costs)
+    def row(name: str, set_s: float, get_s: float, rel: dict[str, list[float]] | None,
+            exist: float | None = None, costs: dict[str, float] | None = None) -> Row:
+        sr = [1 / x for x in rel["set"]] if rel else [1.0]
+        gr = [1 / x for x in rel["get"]] if rel else [1.0]
+        return Row(mode, name, page, pages, total / set_s / 1e9, total / get_s / 1e9, _med(sr), _med(gr), sr, gr,
+                   exist * 1e6 if exist else None, costs)
 
-    rows = [row("baseline", b["set"], b["get"], b["exist"])]
-    for p in plugins:
-        m, r = med[p.name], res[p.name]
+    def cost(a: str, b_: str, m: str) -> float:
+        """ms per batch that variant ``a`` spends over ``b_`` on ``m`` (paired, normalised)."""
+        return base_ms[m] * _med([x - y for x, y in zip(res[a].rel[m], res[b_].rel[m], strict=True)])
+
+    def diff(a: list[float], b_: list[float]) -> float:
+        return 1e3 * _med([x - y for x, y in zip(a, b_, strict=True)])
+
+    rows = [row("baseline", _med(b["set"]), _med(b["get"]), None, _med(b["exist"]))]
+    names = [n for n in res if n != "baseline"]
+    for name in names:
+        r = res[name]
+        t = r.times
+        p = next((x for x in plugins if x.name == name), None)
         costs = None
-        if p.bare:
+        if p is not None and p.bare:
             own = "native: one slot per page" if staged else "native: header slot + buffers"
-            hb, sp = "native: header slot + buffers", "native: same, 16 MiB calls"
+            hb, kv = "native: header slot + buffers", "native: K/V objects, no exist"
             costs = {
-                "core header": 1e3 * _med(r["header"]),
-                "store hop": _diff(r["set"], [h + s for h, s in zip(r["header"], r["bare set"], strict=True)]),
-                "core verify": _diff(r["get"], r["bare get"]),
-                "exist": 1e3 * b["base exist"],
-                "header slot set": _diff(res[hb]["set"], res["native: buffers, no header slot"]["set"]),
-                "header slot get": _diff(res[hb]["get"], res["native: buffers, no header slot"]["get"]),
-                "16 MiB calls set": _diff(res[sp]["set"], res[hb]["set"]),
-                "16 MiB calls get": _diff(res[sp]["get"], res[hb]["get"]),
-                "backend set": _diff(r["bare set"], res[own]["set"]),
-                "backend get": _diff(r["bare get"], res[own]["get"]),
+                "core header": 1e3 * _med(t["header"]),
+                "store hop": diff(t["set"], [h + s for h, s in zip(t["header"], t["bare set"], strict=True)]),
+                "core verify": diff(t["get"], t["bare get"]),
+                "exist": 1e3 * _med(b["base exist"]),
+                "one object vs K/V set": cost(hb, kv, "set"),
+                "one object vs K/V get": cost(hb, kv, "get"),
+                "header slot set": cost(hb, "native: buffers, no header slot", "set"),
+                "header slot get": cost(hb, "native: buffers, no header slot", "get"),
+                "16 MiB calls set": cost("native: same, 16 MiB calls", hb, "set"),
+                "16 MiB calls get": cost("native: same, 16 MiB calls", hb, "get"),
+                # the bare hooks run right after the Store run, so they share its baseline pair
+                "backend set": base_ms["set"] * _med([bs / s * x - y for bs, s, x, y in zip(
+                    t["bare set"], t["set"], r.rel["set"], res[own].rel["set"], strict=True)]),
+                "backend get": base_ms["get"] * _med([bg / g * x - y for bg, g, x, y in zip(
+                    t["bare get"], t["get"], r.rel["get"], res[own].rel["get"], strict=True)]),
+                "baseline set": base_ms["set"],
+                "baseline get": base_ms["get"],
             }
-        rows.append(row(p.name, m["set"], m["get"], m["exist"], costs))
-        if p.bare:
-            rows.append(row(f"{p.name}, bare hooks", m["bare set"], m["bare get"]))
-    for name in NATIVE:
-        rows.append(row(name, med[name]["set"], med[name]["get"]))
+        exist = _med(t["exist"]) if t["exist"] else None
+        rows.append(row(name, _med(t["set"]), _med(t["get"]), r.rel, exist, costs))
+        if p is not None and p.bare:
+            bare_rel = {m: [bt / st * x for bt, st, x in zip(t[f"bare {m}"], t[m], r.rel[m], strict=True)]
+                        for m in ("set", "get")}
+            rows.append(row(f"{name}, bare hooks", _med(t["bare set"]), _med(t["bare get"]), bare_rel))
     return rows
 
 
+def goals(rows: list[Row], staged_max_page_bytes: int) -> list[Goal]:
+    """The issue's goals at every (mode, page size) run: the plugin's variant that ``auto`` picks,
+    its ratio and per-round ratios, the ceiling of its layout (the native row), Mooncake's raw
+    client with MooncakeStore's layout, and the two-baseline control of the same run."""
+    out: list[Goal] = []
+    cases = list(dict.fromkeys((r.mode, r.page_nbytes) for r in rows))  # in the order they ran
+    for mode, page in cases:
+        by = {r.variant: r for r in rows if r.mode == mode and r.page_nbytes == page}
+        if mode == "tcp":
+            staged = page <= staged_max_page_bytes
+            name = "plugin staged" if staged else "plugin direct"
+        else:
+            staged, name = False, "plugin"
+        ceiling = "native: one slot per page" if staged else "native: header slot + buffers"
+        raw = "native: K/V objects, no exist"
+        for op in ("set", "get"):
+            p = by[name]
+            out.append(Goal(mode, page, op, name, getattr(p, f"{op}_ratio"), getattr(p, f"{op}_ratios"), GOALS[mode],
+                            ceiling, getattr(by[ceiling], f"{op}_ratio"), raw, getattr(by[raw], f"{op}_ratio"),
+                            getattr(by["baseline, 2nd client"], f"{op}_ratio")))
+    return out
+
+
 def run(modes: list[str], page_sizes: list[int], pages: int, rounds: int,
-        echo: Callable[[str], None] = print) -> list[Row]:
+        echo: Callable[[str], None] = print) -> Report:
     """Start a store, run every (mode, page size) case, stop the store."""
-    segment = max(1 << 30, 20 * pages * (max(page_sizes) + HEADER_SIZE))
+    segment = max(1 << 30, 8 * pages * (max(page_sizes) + HEADER_SIZE))
     rows: list[Row] = []
+    checks = Checks()
     with MooncakeService.start(segment_size=segment) as svc:
         # measured: the first Mooncake client of a process gets about 25% slower than later ones
         # (same native call, same layout, same run), so an unused client comes first and no
@@ -431,23 +631,39 @@ def run(modes: list[str], page_sizes: list[int], pages: int, rounds: int,
         anchor = new_client(MooncakeOptions.model_validate(svc.backend_options()))
         try:
             for n, (mode, size) in enumerate((m, s) for m in modes for s in page_sizes):
-                for row in run_case(svc, mode, size, pages, rounds, warm=n == 0):
+                for row in run_case(svc, mode, size, pages, rounds, checks, warm=n == 0):
                     echo(format_row(row))
                     rows.append(row)
         finally:
             anchor.close()
-    return rows
+    report = Report(rows, goals(rows, MooncakeOptions.model_fields["staged_max_page_bytes"].default), checks.result())
+    for g in report.goals:
+        echo(format_goal(g))
+    for name, ok in report.checks.items():
+        echo(f"check {name}: {'holds' if ok else 'BROKEN in ' + ', '.join(sorted(set(checks.broken[name])))}")
+    return report
 
 
 HEADER = (f"{'mode':<4} {'page':>8} {'batch':>5}  {'variant':<32} | {'set GB/s':>8} {'get GB/s':>8} | "
           f"{'set x':>5} {'get x':>5} | {'exist us/key':>12}")
 
 
+def _page(nbytes: int) -> str:
+    return f"{nbytes >> 10} KiB"
+
+
 def format_row(r: Row) -> str:
-    page = f"{r.page_nbytes >> 10} KiB"
     exist = f"{r.exist_us_per_key:>12.2f}" if r.exist_us_per_key is not None else f"{'':>12}"
-    line = (f"{r.mode:<4} {page:>8} {r.pages:>5}  {r.variant:<32} | {r.set_gbps:>8.2f} {r.get_gbps:>8.2f} | "
-            f"{r.set_ratio:>5.2f} {r.get_ratio:>5.2f} | {exist}")
+    line = (f"{r.mode:<4} {_page(r.page_nbytes):>8} {r.pages:>5}  {r.variant:<32} | {r.set_gbps:>8.2f} "
+            f"{r.get_gbps:>8.2f} | {r.set_ratio:>5.2f} {r.get_ratio:>5.2f} | {exist}")
     if r.costs_ms:
         line += "\n      costs, ms per batch: " + ", ".join(f"{k} {v:.2f}" for k, v in r.costs_ms.items())
     return line
+
+
+def format_goal(g: Goal) -> str:
+    spread = f"{min(g.ratios):.2f}-{max(g.ratios):.2f}" if g.ratios else "-"
+    return (f"goal {g.mode} {_page(g.page_nbytes)} {g.op}: {g.variant} {g.ratio:.2f}x (rounds {spread}) "
+            f">= {g.goal:.1f}x: {'met' if g.met else 'NOT MET'}; same run: ceiling ({g.ceiling_variant}) "
+            f"{g.ceiling:.2f}x, Mooncake raw ({g.raw_variant}) {g.raw:.2f}x, control (baseline, 2nd client) "
+            f"{g.control:.2f}x")

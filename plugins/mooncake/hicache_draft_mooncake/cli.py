@@ -15,6 +15,8 @@ import click
 
 from hicache_draft_mooncake.service import MooncakeService, ServiceError
 
+QUICK_PAGES, QUICK_ROUNDS = 8, 2
+
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 
 
@@ -81,19 +83,26 @@ def up(segment_size: str, workdir: str | None) -> None:
               show_default=True)
 @click.option("--page-size", "page_sizes", multiple=True, default=("64KiB", "1MiB"), show_default=True)
 @click.option("--pages", default=128, show_default=True, help="pages per batch")
-@click.option("--rounds", default=7, show_default=True, help="rounds per row (medians are reported)")
+@click.option("--rounds", default=7, show_default=True, help="rounds per row (medians of per-round ratios)")
+@click.option("--quick", is_flag=True, help=f"CI mode: {QUICK_PAGES} pages, {QUICK_ROUNDS} rounds (checks, not speed)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document instead of a table")
-def bench(modes: tuple[str, ...], page_sizes: tuple[str, ...], pages: int, rounds: int, as_json: bool) -> None:
-    """Set/get GB/s and existence cost: the plugin vs direct one-object-per-buffer calls, same store,
-    same pages, same run. Starts and stops its own local store."""
+def bench(modes: tuple[str, ...], page_sizes: tuple[str, ...], pages: int, rounds: int, quick: bool,
+          as_json: bool) -> None:
+    """Set/get GB/s, existence cost and the issue's goals: the plugin vs MooncakeStore's calls and
+    object layout, same store, same pages, same run. Starts and stops its own local store; exits 1
+    when a check (every call OK, every get byte-exact, ...) is broken."""
     from hicache_draft_mooncake import bench as b
 
+    if quick:
+        pages, rounds = QUICK_PAGES, QUICK_ROUNDS
     sizes = [parse_size(s) for s in page_sizes]
     if not as_json:
         click.echo(b.HEADER)
-    rows = b.run(list(modes), sizes, pages, rounds, echo=(lambda _s: None) if as_json else click.echo)
+    report = b.run(list(modes), sizes, pages, rounds, echo=(lambda _s: None) if as_json else click.echo)
     if as_json:
-        click.echo(json.dumps([r.as_dict() for r in rows], indent=2))
+        click.echo(json.dumps(report.as_dict(), indent=2))
+    if not all(report.checks.values()):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -63,29 +64,70 @@ def test_up_prints_a_working_config_and_stops_on_ctrl_c(new_groups):
                 proc.wait(timeout=10)
 
 
-@pytest.mark.parametrize("mode", ["tcp", "shm"])
-def test_bench_runs_and_reports_ratios(mode):
-    result = CliRunner().invoke(
-        mooncake, ["bench", "--mode", mode, "--page-size", "16KiB", "--pages", "8", "--rounds", "1", "--json"]
-    )
+NATIVE = ["native: K/V objects, no exist", "native: one slot per page", "native: header slot + buffers",
+          "native: same, 16 MiB calls", "native: buffers, no header slot"]
+
+
+def test_bench_quick_prints_every_ratio_and_goal_and_its_checks_hold():
+    """The CI run of the benchmark (real master and holder, both modes, 64 KiB and 1 MiB pages):
+    the report's structure and its checks, never a timing."""
+    result = CliRunner().invoke(mooncake, ["bench", "--quick", "--json"])
     assert result.exit_code == 0, result.output
-    rows = json.loads(result.output[result.output.index("[") :])
-    native = ["native: K/V objects, no exist", "native: one slot per page", "native: header slot + buffers",
-              "native: same, 16 MiB calls", "native: buffers, no header slot"]
-    variants = {"tcp": ["baseline", "plugin staged", "plugin staged, bare hooks", "plugin direct", *native],
-                "shm": ["baseline", "plugin", "plugin, bare hooks", *native]}[mode]
-    assert [r["variant"] for r in rows] == variants
-    for r in rows:
-        assert r["mode"] == mode and r["page_bytes"] == 16 << 10 and r["pages"] == 8
-        assert r["set_gbps"] > 0 and r["get_gbps"] > 0 and r["set_ratio"] > 0 and r["get_ratio"] > 0
-    assert rows[0]["set_ratio"] == rows[0]["get_ratio"] == 1.0
-    through_store = [r for r in rows if r["variant"] in ("baseline", "plugin", "plugin staged", "plugin direct")]
-    assert all(r["exist_us_per_key"] > 0 for r in through_store)
-    # the breakdown sits on the row of the variant auto picks (16 KiB over TCP: staged)
-    costs = rows[1]["costs_ms"]
-    assert set(costs) >= {"core header", "core verify", "store hop", "exist", "header slot set", "backend get"}
-    assert costs["core header"] > 0 and costs["exist"] > 0
-    assert [r for r in rows if "costs_ms" in r] == [rows[1]]
+    doc = json.loads(result.output[result.output.index("{") :])
+    assert doc["checks"] == {"every call OK": True, "every get byte-exact": True,
+                             "existence found every page": True, "no corrupt page": True}
+    rows, goals = doc["rows"], doc["goals"]
+    variants = {"tcp": ["baseline", "baseline, 2nd client", "plugin staged", "plugin direct", *NATIVE],
+                "shm": ["baseline", "baseline, 2nd client", "plugin", *NATIVE]}
+    cases = [(m, p) for m in ("tcp", "shm") for p in (64 << 10, 1 << 20)]
+    assert [(r["mode"], r["page_bytes"]) for r in rows] == [c for c in cases for _ in range(len(variants[c[0]]) + 1)]
+    for mode, page in cases:
+        case = [r for r in rows if (r["mode"], r["page_bytes"]) == (mode, page)]
+        auto = "plugin" if mode == "shm" else "plugin staged" if page <= 128 << 10 else "plugin direct"
+        names = list(variants[mode])
+        names.insert(names.index(auto) + 1, f"{auto}, bare hooks")  # after the variant auto picks
+        assert [r["variant"] for r in case] == names
+        for r in case:
+            assert r["pages"] == 8 and r["set_gbps"] > 0 and r["get_gbps"] > 0
+            if r["variant"] == "baseline":
+                assert r["set_ratio"] == r["get_ratio"] == 1.0
+                continue
+            for op in ("set", "get"):  # a row's ratio is the median of its per-round ratios
+                per_round = r[f"{op}_ratios"]
+                assert len(per_round) == 2 and all(x > 0 for x in per_round)
+                assert r[f"{op}_ratio"] == pytest.approx(statistics.median(per_round), abs=2e-3)
+        with_costs = [r for r in case if "costs_ms" in r]
+        assert [r["variant"] for r in with_costs] == [auto]
+        assert set(with_costs[0]["costs_ms"]) >= {"core header", "core verify", "store hop", "exist",
+                                                  "header slot set", "one object vs K/V set", "backend set"}
+        assert with_costs[0]["costs_ms"]["core header"] > 0
+        stored = [r for r in case if r["variant"] in ("baseline", "baseline, 2nd client", auto)]
+        assert all(r["exist_us_per_key"] > 0 for r in stored)
+        mine = [g for g in goals if (g["mode"], g["page_bytes"]) == (mode, page)]
+        assert [g["op"] for g in mine] == ["set", "get"]
+        for g in mine:
+            assert g["variant"] == auto and g["goal"] == {"tcp": 1.0, "shm": 2.0}[mode]
+            assert g["met"] == (g["ratio"] >= g["goal"])
+            row = next(r for r in case if r["variant"] == auto)
+            assert g["ratio"] == row[f"{g['op']}_ratio"] and g["ratios"] == row[f"{g['op']}_ratios"]
+            ceiling = "native: one slot per page" if auto == "plugin staged" else "native: header slot + buffers"
+            assert g["ceiling_variant"] == ceiling and g["raw_variant"] == "native: K/V objects, no exist"
+            assert g["ceiling"] > 0 and g["raw"] > 0 and g["control"] > 0
+    assert [(g["mode"], g["page_bytes"]) for g in goals] == [c for c in cases for _ in range(2)]
+
+
+def test_bench_exits_1_and_names_a_broken_check(monkeypatch):
+    from hicache_draft_mooncake import bench as b
+
+    def broken_run(modes, sizes, pages, rounds, echo):
+        checks = b.Checks()
+        checks.expect("every get byte-exact", False, "plugin direct")
+        echo("check every get byte-exact: BROKEN in plugin direct")
+        return b.Report([], [], checks.result())
+
+    monkeypatch.setattr(b, "run", broken_run)
+    result = CliRunner().invoke(mooncake, ["bench", "--quick"])
+    assert result.exit_code == 1 and "BROKEN in plugin direct" in result.output
 
 
 def test_parse_size():

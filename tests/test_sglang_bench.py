@@ -1,29 +1,72 @@
 """``hicache-draft bench sglang`` runs, tiny, over SGLang's real host pools (in a child process:
 the SGLang bootstrap must run before anything imports sglang). No timing is asserted: it prints
-ratios; each must be a finite positive number and every page must have moved."""
+ratios and the goal; each ratio must be a finite positive number, each row's verdict must follow
+from its numbers, and every page must have moved."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import statistics
 import subprocess
 import sys
 
-from hicache_draft.integrations.sglang_bench import OPS, PATHS, SHAPES
+from hicache_draft.integrations.sglang_bench import GOAL, MEMORY, OPS, PATHS, SHAPES, Row
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-c", "from hicache_draft.cli import main; main()", "bench", "sglang", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return proc
 
 
 def test_bench_sglang_runs_tiny_and_prints_finite_positive_ratios(tmp_path):
-    cmd = [sys.executable, "-c", "from hicache_draft.cli import main; main()", "bench", "sglang",
-           "--pages", "2", "--rounds", "1", "--root", str(tmp_path), "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    proc = _bench("--pages", "2", "--rounds", "1", "--root", str(tmp_path), "--json")
     report = json.loads(proc.stdout[proc.stdout.index("{"):])
-    assert report["release"] and report["pages"] == 2
+    assert report["release"] and report["pages"] == 2 and report["goal"] == GOAL
+    backends = report["backends"]
+    assert len(backends) == 2 and MEMORY in backends  # the installed default and the in-process one
     assert report["checks"] and all(report["checks"].values()), report["checks"]
+    assert {k.split("/")[0] for k in report["checks"]} == set(backends)
     rows = report["rows"]
-    assert {(r["path"], r["page"], r["op"]) for r in rows} == {
-        (p, s.label, o) for p in PATHS for s in SHAPES.values() for o in OPS
+    assert {(r["backend"], r["path"], r["page"], r["op"]) for r in rows} == {
+        (b, p, s.label, o) for b in backends for p in PATHS for s in SHAPES.values() for o in OPS
     }
     for r in rows:
-        for k in ("ratio", "ratio_min", "ratio_max", "adapter_s", "backend_s"):
+        for k in ("ratio", "ratio_min", "ratio_max", "adapter_s", "backend_s", "checked_ratio"):
             assert math.isfinite(r[k]) and r[k] > 0, r
+        assert r["goal"] == GOAL and r["meets_goal"] is (r["checked_ratio"] <= GOAL), r
+        assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"], r
+        staged = r["path"] == "generic" and r["op"] in ("set", "get")
+        assert ("floor" in r) is staged, r  # only the generic path copies through staging
+        if not staged:
+            assert r["checked_ratio"] == r["ratio"], r
+
+
+def test_bench_sglang_prints_each_ratio_with_the_goal(tmp_path):
+    proc = _bench("--pages", "2", "--rounds", "2", "--root", str(tmp_path), "--backend", MEMORY,
+                  "--page", "64k", "--path", "v1", "--path", "generic")
+    lines = proc.stdout.strip().splitlines()
+    rows = [ln for ln in lines if ln.startswith(f"{MEMORY} ")]
+    assert len(rows) == 2 * len(OPS), proc.stdout
+    for ln in rows:
+        assert re.search(r"ratio +\d+\.\d\d \(rounds \d+\.\d\d-\d+\.\d\d\)", ln), ln
+        assert re.search(rf"goal <= {GOAL:.2f} (ok|OVER)$", ln), ln
+    assert sum("staging copy" in ln for ln in rows) == 2  # generic set and get
+    summary = next(ln for ln in lines if ln.startswith(f"goal <= {GOAL:.2f}: "))
+    met = sum(ln.endswith(" ok") for ln in rows)
+    assert summary.startswith(f"goal <= {GOAL:.2f}: {met} of {len(rows)} rows met"), summary
+    assert lines[-1] == "checks: all pages moved and found"
+
+
+def test_a_row_ratio_is_the_median_of_its_paired_rounds_and_the_goal_is_checked_on_it():
+    """Not the ratio of the medians (1.2 here: one round where everything was slow skews it)."""
+    row = Row("v1", "64 KiB", "get", "memory", adapter=[1.0, 1.2, 9.0], store=[1.0, 1.0, 10.0])
+    assert row.ratios == [1.0, 1.2, 0.9]
+    assert statistics.median(row.adapter) / statistics.median(row.store) == 1.2
+    assert row.ratio == 1.0 and row.meets_goal
+    staged = Row("generic", "64 KiB", "set", "memory", adapter=[1.3, 1.3], store=[1.0, 1.0], copy=[0.25, 0.25])
+    assert staged.floor == 1.25 and math.isclose(staged.over_floor, 1.04) and staged.meets_goal
+    assert staged.ratio == 1.3  # the ratio to the backend alone is printed too

@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import operator
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -85,6 +86,8 @@ log = logging.getLogger("hicache_draft.sglang")
 
 _HEX = re.compile(r"[0-9a-f]+")
 _RESULT_FIELDS = frozenset(f.name for f in dataclasses.fields(PoolTransferResult))
+_HAS_RESTORABLE = "restorable_prefix_pages" in _RESULT_FIELDS
+_POOL_NAMES: dict[str, Any] = {m.value: m for m in PoolName}  # a pool's name -> SGLang's PoolName
 _F = TypeVar("_F", bound=Callable[..., Any])
 _KEY_CACHE = 1 << 15
 
@@ -92,9 +95,10 @@ _KEY_CACHE = 1 << 15
 def transfer_result(kv_hit_pages: int, extra_pool_hit_pages: dict[Any, int], restorable: list[int]) -> Any:
     """A ``PoolTransferResult`` with the fields this SGLang release's dataclass has (found with
     :func:`dataclasses.fields`, not by version): ``restorable_prefix_pages`` only where it exists."""
-    values = {"kv_hit_pages": kv_hit_pages, "extra_pool_hit_pages": extra_pool_hit_pages,
-              "restorable_prefix_pages": restorable}
-    return PoolTransferResult(**{k: v for k, v in values.items() if k in _RESULT_FIELDS})
+    if _HAS_RESTORABLE:
+        return PoolTransferResult(kv_hit_pages=kv_hit_pages, extra_pool_hit_pages=extra_pool_hit_pages,
+                                  restorable_prefix_pages=restorable)
+    return PoolTransferResult(kv_hit_pages=kv_hit_pages, extra_pool_hit_pages=extra_pool_hit_pages)
 
 
 def _never_raise(default: Callable[..., Any]) -> Callable[[_F], _F]:
@@ -208,6 +212,23 @@ def split_generic_keys(keys: Sequence[str]) -> tuple[list[str], list[str]]:
     return [k for k, _ in parsed], [g for _, g in parsed]
 
 
+class _Hashes:
+    """One call's SGLang page hashes, with their page groups (:func:`page_groups`) made at most
+    once, when a pool first needs them."""
+
+    __slots__ = ("_groups", "hashes", "joined")
+
+    def __init__(self, hashes: Sequence[str], joined: str | None = None, groups: list[str] | None = None) -> None:
+        self.hashes, self.joined = hashes, joined
+        self._groups = groups
+
+    @property
+    def groups(self) -> list[str]:
+        if self._groups is None:
+            self._groups = page_groups(self.hashes, self.joined)
+        return self._groups
+
+
 @dataclass
 class _Job:
     """The pages of one pool in one adapter call: from host slots or from flat SGLang pages."""
@@ -216,7 +237,7 @@ class _Job:
     groups: list[str]
     slots: list[int] | None = None
     flats: list[torch.Tensor] | None = None
-    keys: list[str] | None = None  # storage keys, page-major (else made from groups)
+    keys: Sequence[str] | None = None  # storage keys, page-major (else made from groups)
 
     @property
     def staging(self) -> Staging | None:
@@ -439,26 +460,26 @@ class HiCacheDraftStorage(HiCacheStorage):
         except ValueError as exc:
             self._warn_once(f"slot:{binding.name}", "hicache-draft: %s: %s", binding.name, exc)
             return None
-        return _Job(binding=binding, groups=page_groups(keys), slots=slots, keys=self._hash_keys(binding, keys))
+        hashes = _Hashes(keys)
+        return _Job(binding=binding, groups=hashes.groups, slots=slots, keys=self._hash_keys(binding, hashes))
 
-    def _hash_keys(
-        self, binding: PoolBinding, hashes: Sequence[str], joined: str | None = None, remember: bool = True
-    ) -> list[str]:
-        """``binding.keys(page_groups(hashes))``, remembered per SGLang hash for one-part pools (up
-        to :data:`_KEY_CACHE` hashes) by the calls that move pages (``remember``), so that the hit
-        query for pages this server stored or restored is a dictionary lookup per page."""
+    def _hash_keys(self, binding: PoolBinding, hashes: _Hashes, remember: bool = True) -> Sequence[str]:
+        """``binding.keys(hashes.groups)``, remembered per SGLang hash for one-part pools (up to
+        :data:`_KEY_CACHE` hashes) by the calls that move pages (``remember``), so that the hit
+        query for pages this server stored or restored is one lookup of the whole batch."""
         if binding.split != 1:
-            return binding.keys(page_groups(hashes, joined))
-        cache = self.key_caches.setdefault(binding.name, {})
+            return binding.keys(hashes.groups)
+        cache = self.key_caches[binding.name]
+        h = hashes.hashes
         try:
-            return list(map(cache.__getitem__, hashes))
-        except (KeyError, TypeError):
+            return operator.itemgetter(*h)(cache) if len(h) > 1 else [cache[h[0]]]
+        except (KeyError, TypeError, IndexError):
             pass
-        keys = binding.keys(page_groups(hashes, joined))
+        keys = binding.keys(hashes.groups)
         if remember:
             if len(cache) + len(keys) > _KEY_CACHE:
                 cache.clear()
-            cache.update(zip(hashes, keys, strict=True))
+            cache.update(zip(hashes.hashes, keys, strict=True))
         return keys
 
     # -- zero-copy v1 (target pages by host index) -----------------------------------------------
@@ -500,37 +521,41 @@ class HiCacheDraftStorage(HiCacheStorage):
     def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
         return self._v2("get", transfers)
 
-    def _hit(self, keys: Sequence[str], pools: Sequence[tuple[PoolBinding | None, int | None]],
-             joined: str | None = None) -> tuple[int, dict[str, int]]:
-        """The usable hit (:func:`usable_hit`) for ``keys`` over the target KV and ``pools`` (our
+    def _hit(
+        self, hashes: _Hashes, pools: Sequence[tuple[PoolBinding | None, int | None]]
+    ) -> tuple[int, dict[str, int]]:
+        """The usable hit (:func:`usable_hit`) for ``hashes`` over the target KV and ``pools`` (our
         binding, or None for a pool not held; the trailing window SGLang asks for, or None for
         ALL_PAGES), with each pool's own boundary. A pool not held gives no hit: its pages could
-        not be restored."""
-        kv = self._binding(PoolKind.KV)
-        if kv is None:
+        not be restored. One existence query covers every ALL_PAGES pool."""
+        kv = self.bindings.get(PoolKind.KV)
+        if kv is None or not kv.active:
             return 0, {}
+        keys = hashes.hashes
         windows: dict[str, int] = {}
         held = [kv]
+        missing = False
         for b, window in pools:
             if b is None:
+                missing = True
                 continue
             held.append(b)
             if b.spec.hit_policy is HitPolicy.TRAILING_PAGES:  # SGLang's all_pages: the whole prefix
                 windows[b.name] = window if window is not None else len(keys)
-        every = [b for b in held if b.spec.hit_policy is HitPolicy.ALL_PAGES]
-        counts = self.store.page_exists({b.name: self._hash_keys(b, keys, joined, False) for b in every})
-        prefix = {b.name: counts.get(b.name, 0) // b.split for b in every}
+        every = [(b.name, b) for b in held if b.spec.hit_policy is HitPolicy.ALL_PAGES]
+        counts = self.store.page_exists({name: self._hash_keys(b, hashes, False) for name, b in every})
+        prefix = {name: counts.get(name, 0) // b.split for name, b in every}
 
         def window_stored(b: PoolBinding, end: int) -> int:
-            tail = list(keys[max(0, end - windows[b.name]) : end])[::-1]  # last page first
-            got = self.store.page_exists({b.name: self._hash_keys(b, tail, None, False)})
+            tail = _Hashes(list(keys[max(0, end - windows[b.name]) : end])[::-1])  # last page first
+            got = self.store.page_exists({b.name: self._hash_keys(b, tail, False)})
             return got.get(b.name, 0) // b.split
 
         hit = usable_hit(held, prefix, window_stored, limit=len(keys), windows=windows)
         # as SGLang reports them: each pool's boundary within the target's stored prefix
         kv_pages = hit.boundaries.get(kv.name, 0)
-        bounds = {name: min(n, kv_pages) for name, n in hit.boundaries.items()}
-        return (0 if any(b is None for b, _ in pools) else hit.pages), bounds
+        bounds = {name: n if n < kv_pages else kv_pages for name, n in hit.boundaries.items()}
+        return (0 if missing else hit.pages), bounds
 
     @_never_raise(_no_hit)
     def batch_exists_v2(
@@ -552,11 +577,8 @@ class HiCacheDraftStorage(HiCacheStorage):
                 self._warn_once(f"hit:{t.name}", "hicache-draft: pool %r is not held, so no prefix is "
                                 "restorable with it: no hit", str(t.name))
             pools.append((binding, window))
-        final, bounds = self._hit(keys, pools)
-        hit_count: dict[Any, int] = {}
-        for name, pages in bounds.items():
-            if pages:
-                hit_count[PoolName(name) if name in PoolName._value2member_map_ else name] = pages
+        final, bounds = self._hit(_Hashes(keys), pools)
+        hit_count = {_POOL_NAMES.get(name, name): pages for name, pages in bounds.items() if pages}
         # every all_pages prefix up to the hit is restorable; with trailing pools only the hit
         # itself was checked (a window below it may be missing), so only it is reported
         restorable = [final] if final and trailing else list(range(1, final + 1))
@@ -575,9 +597,10 @@ class HiCacheDraftStorage(HiCacheStorage):
             joined = "".join(keys)
         except TypeError:
             joined = "."
-        legacy = self._legacy_draft
+        draft = self.bindings.get(PoolKind.DRAFT)
+        legacy = self._legacy_draft if draft is not None else None
         if "." not in joined:  # target page hashes only (SGLang's hit query)
-            return self._hit(keys, [(legacy, None)] if legacy else [], joined)[0]
+            return self._hit(_Hashes(keys, joined), [(legacy, None)] if legacy else [])[0]
         names, groups = split_generic_keys(keys)
         if len(set(names)) != 1:
             for i, k in enumerate(keys):
@@ -615,14 +638,19 @@ class HiCacheDraftStorage(HiCacheStorage):
         """Group ``keys`` by pool into jobs over flat pages; also each job's positions in ``keys``."""
         names, groups = parsed if parsed is not None else split_generic_keys(keys)
         by_name: dict[str, tuple[_Job, list[int]]] = {}
+        pools: dict[str, tuple[PoolBinding, int] | None] = {}  # each name's binding and page bytes, found once
         for pos, (name, group, flat) in enumerate(zip(names, groups, flats, strict=True)):
-            b = self._flat_binding(name)
-            if b is None or flat is None:
+            if name not in pools:
+                found = self._flat_binding(name)
+                pools[name] = None if found is None else (found, found.spec.page_nbytes)
+            pool = pools[name]
+            if pool is None or flat is None:
                 self._warn_once(f"generic:{name}", "hicache-draft: no usable pool for generic key %r", keys[pos])
                 continue
-            if flat.numel() * flat.element_size() != b.spec.page_nbytes:
+            b, nbytes = pool
+            if flat.numel() * flat.element_size() != nbytes:
                 self._warn_once(f"size:{name}", "hicache-draft: flat %s page of %d bytes, expected %d",
-                                b.name, flat.numel() * flat.element_size(), b.spec.page_nbytes)
+                                b.name, flat.numel() * flat.element_size(), nbytes)
                 continue
             entry = by_name.get(b.name)
             if entry is None:
@@ -631,6 +659,11 @@ class HiCacheDraftStorage(HiCacheStorage):
             assert entry[0].flats is not None
             entry[0].flats.append(flat)
             entry[1].append(pos)
+        kv = by_name.get(PoolKind.KV)
+        if kv is not None and kv[0].binding.split == 1 and "." not in "".join(keys):
+            # plain page hashes (SGLang's usual batch): their keys are remembered for the hit query
+            job, pos_kv = kv
+            job.keys = self._hash_keys(job.binding, _Hashes([keys[p] for p in pos_kv], None, job.groups))
         return [j for j, _ in by_name.values()], [p for _, p in by_name.values()]
 
     @_never_raise(_constant(False))
@@ -656,9 +689,11 @@ class HiCacheDraftStorage(HiCacheStorage):
         tensor per key, or None for a page that did not come back."""
         parsed = split_generic_keys(keys)
         targets: list[torch.Tensor | None] = []
+        given_n = len(target_locations) if target_locations is not None else 0
+        tensor = torch.Tensor
         for i, name in enumerate(parsed[0]):
-            given = target_locations[i] if target_locations is not None and i < len(target_locations) else None
-            if isinstance(given, torch.Tensor) and given.is_contiguous() and given.device.type == "cpu":
+            given = target_locations[i] if i < given_n else None
+            if isinstance(given, tensor) and given.is_cpu and given.is_contiguous():
                 targets.append(given)
                 continue
             b = self._binding(name)

@@ -319,6 +319,31 @@ def test_remembered_keys_never_answer_for_another_pool_or_a_suffixed_key(backend
     assert adapter.batch_exists([k.upper() for k in keys]) == 3  # SGLang hashes are case-free hex
 
 
+@pytest.mark.parametrize("interface_v1", [True, False], ids=["v1", "generic"])
+def test_a_hit_query_after_a_write_builds_no_keys_and_suffixed_keys_are_not_remembered(monkeypatch, interface_v1):
+    """Pages this server wrote through v1 or SGLang's generic ``batch_set`` (plain page hashes) are
+    answered from the remembered keys: the hit query builds no key (``page_groups`` is never
+    called); ``{hash}.draft`` keys are not remembered for the target pool."""
+    extra = extra_config("memory", {"space": secrets.token_hex(4)})
+    extra["interface_v1"] = interface_v1
+    kv, dr = mha(seed=1), mha(layers=1, seed=2)
+    adapter = attach(build(extra), kv, dr)
+    keys, drafts = hashes(3, salt=31), hashes(2, salt=32)
+    if interface_v1:
+        assert adapter.batch_set_v1(keys, indices([0, 4, 8])) == [True] * 3
+    else:
+        assert adapter.batch_set(keys, [kv.get_data_page(s) for s in (0, 4, 8)]) is True
+    assert adapter.batch_set([f"{k}.draft" for k in drafts], [dr.get_data_page(s) for s in (0, 4)]) is True
+    assert set(adapter.key_caches[PoolKind.KV]) == set(keys)
+
+    def no_keys(*args, **kwargs):
+        raise AssertionError("a key was built for pages this server wrote")
+
+    monkeypatch.setattr(adapter_mod, "page_groups", no_keys)
+    assert adapter.batch_exists(keys) == 3
+    assert adapter.batch_exists(keys[:1]) == 1
+
+
 def test_generic_path_chunks_through_small_staging():
     extra = extra_config("generic-only", {"space": secrets.token_hex(4)}, staging_pages=2)
     kv = mha("layer_first", seed=5)

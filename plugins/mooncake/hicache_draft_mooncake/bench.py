@@ -140,6 +140,9 @@ class Goal:
     raw_variant: str
     raw: float
     control: float
+    bare: float
+    core_ms: float
+    plugin_ms: float
 
     @property
     def met(self) -> bool:
@@ -149,7 +152,8 @@ class Goal:
         return {"mode": self.mode, "page_bytes": self.page_nbytes, "op": self.op, "variant": self.variant,
                 "ratio": round(self.ratio, 3), "ratios": [round(x, 3) for x in self.ratios], "goal": self.goal,
                 "met": self.met, "ceiling_variant": self.ceiling_variant, "ceiling": round(self.ceiling, 3),
-                "raw_variant": self.raw_variant, "raw": round(self.raw, 3), "control": round(self.control, 3)}
+                "raw_variant": self.raw_variant, "raw": round(self.raw, 3), "control": round(self.control, 3),
+                "bare": round(self.bare, 3), "core_ms": round(self.core_ms, 2), "plugin_ms": round(self.plugin_ms, 2)}
 
 
 @dataclass
@@ -610,11 +614,15 @@ def goals(rows: list[Row], staged_max_page_bytes: int) -> list[Goal]:
             staged, name = False, "plugin"
         ceiling = "native: one slot per page" if staged else "native: header slot + buffers"
         raw = "native: K/V objects, no exist"
+        p, bare = by[name], by[f"{name}, bare hooks"]
+        core = p.costs_ms or {}
         for op in ("set", "get"):
-            p = by[name]
+            gbps = getattr(p, f"{op}_gbps")
             out.append(Goal(mode, page, op, name, getattr(p, f"{op}_ratio"), getattr(p, f"{op}_ratios"), GOALS[mode],
                             ceiling, getattr(by[ceiling], f"{op}_ratio"), raw, getattr(by[raw], f"{op}_ratio"),
-                            getattr(by["baseline, 2nd client"], f"{op}_ratio")))
+                            getattr(by["baseline, 2nd client"], f"{op}_ratio"), getattr(bare, f"{op}_ratio"),
+                            core.get("core header" if op == "set" else "core verify", 0.0),
+                            1e3 * p.pages * p.page_nbytes / gbps / 1e9 if gbps else 0.0))
     return out
 
 
@@ -665,5 +673,7 @@ def format_goal(g: Goal) -> str:
     spread = f"{min(g.ratios):.2f}-{max(g.ratios):.2f}" if g.ratios else "-"
     return (f"goal {g.mode} {_page(g.page_nbytes)} {g.op}: {g.variant} {g.ratio:.2f}x (rounds {spread}) "
             f">= {g.goal:.1f}x: {'met' if g.met else 'NOT MET'}; same run: ceiling ({g.ceiling_variant}) "
-            f"{g.ceiling:.2f}x, Mooncake raw ({g.raw_variant}) {g.raw:.2f}x, control (baseline, 2nd client) "
-            f"{g.control:.2f}x")
+            f"{g.ceiling:.2f}x, Mooncake raw ({g.raw_variant}) {g.raw:.2f}x, the backend's hooks without the "
+            f"core's {'header' if g.op == 'set' else 'verification'} {g.bare:.2f}x (the core's "
+            f"{'header' if g.op == 'set' else 'verification'}: {g.core_ms:.1f} of {g.plugin_ms:.1f} ms), control "
+            f"(baseline, 2nd client) {g.control:.2f}x")

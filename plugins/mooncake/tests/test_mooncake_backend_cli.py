@@ -112,7 +112,8 @@ def test_bench_quick_prints_every_ratio_and_goal_and_its_checks_hold():
             assert g["ratio"] == row[f"{g['op']}_ratio"] and g["ratios"] == row[f"{g['op']}_ratios"]
             ceiling = "native: one slot per page" if auto == "plugin staged" else "native: header slot + buffers"
             assert g["ceiling_variant"] == ceiling and g["raw_variant"] == "native: K/V objects, no exist"
-            assert g["ceiling"] > 0 and g["raw"] > 0 and g["control"] > 0
+            assert g["ceiling"] > 0 and g["raw"] > 0 and g["control"] > 0 and g["bare"] > 0
+            assert g["plugin_ms"] > 0 and isinstance(g["core_ms"], float)
     assert [(g["mode"], g["page_bytes"]) for g in goals] == [c for c in cases for _ in range(2)]
 
 

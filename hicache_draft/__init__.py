@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from hicache_draft.backend import BackendContext, NoOptions, StorageBackend
 from hicache_draft.binding import BindingPlan, PoolBinding, Staging, plan_binding, usable_hit
+from hicache_draft.buffer_io import read_into, write_from
 from hicache_draft.capabilities import (
     Attention,
     Capabilities,
@@ -41,8 +42,10 @@ from hicache_draft.page_format import (
     HeaderProblem,
     PageFormatError,
     checksum,
+    corrupt_pages,
     make_header,
     make_headers,
+    pack_page_headers,
     parse_header,
     verify_payload,
 )
@@ -142,6 +145,10 @@ __all__ = [
     "make_header",
     "make_headers",
     "make_key",
+    "pack_page_headers",
+    "corrupt_pages",
+    "read_into",
+    "write_from",
     "page_hashes",
     "parse_header",
     "register_backend",

@@ -17,12 +17,17 @@ want_test=0
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
-# The Mooncake client needs Debian's libibverbs1 (even over TCP).
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
-  say "installing libibverbs1 (needed by the Mooncake client library)"
+# System packages: the Mooncake client needs Debian's libibverbs1 (even over TCP); the core's compiled
+# data plane (hicache_draft/_native.c) needs a C compiler and the xxHash header (libxxhash-dev).
+apt_want=()
+ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || apt_want+=(libibverbs1 libnuma1 libcurl4)
+[ -f /usr/include/xxhash.h ] || apt_want+=(libxxhash-dev)
+command -v cc >/dev/null || apt_want+=(gcc libc6-dev)
+if [ ${#apt_want[@]} -gt 0 ]; then
+  say "installing ${apt_want[*]} (Mooncake's client library, the compiled data plane)"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnuma1 libcurl4 >/dev/null
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_want[@]}" >/dev/null
 fi
 
 PY=${PYTHON:-}
@@ -51,7 +56,9 @@ done
 stamp="$VENV/.hicache-draft-setup"
 extras=""
 [ $want_test = 1 ] && extras="[test]"
-fingerprint=$(cat pyproject.toml plugins/*/pyproject.toml examples/*/pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
+# the compiled module is built by the (editable) install: its sources are part of the fingerprint
+fingerprint=$(cat pyproject.toml plugins/*/pyproject.toml examples/*/pyproject.toml hicache_draft/_native*.[ch] \
+  2>/dev/null | sha256sum | cut -c1-16)
 fingerprint="$fingerprint-$want_test"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ]; then
   say "environment $VENV is up to date"

@@ -147,3 +147,75 @@ def test_the_cores_one_pass_check_agrees_with_the_parser(payload, flips, expecte
     old = _verdict(_check, bytes(blob), n, KEY, NS, want_pool)
     new = _verdict(check_page, blob[:HEADER_SIZE], KEY, NS, want_pool, [memoryview(blob)[HEADER_SIZE:]], n)
     assert new == old
+
+
+def _pages_with_headers(payloads: list[list[bytes]], pool: str, keys: list[str], namespaces: list[str]):
+    """Pages as the Store builds them: buffers and a 64-byte header in memory it owns."""
+    from hicache_draft import Buffer, Page
+    from hicache_draft.page_format import pack_page_headers
+
+    keep = []
+    pages = []
+    for parts, key, ns in zip(payloads, keys, namespaces, strict=True):
+        bufs = []
+        for p in parts:
+            mem = bytearray(p)
+            keep.append(mem)
+            bufs.append(Buffer.of(mem) if mem else Buffer(0, 0))
+        pages.append(Page(key, key.split(".")[0], ns, tuple(bufs)))
+    block = bytearray(HEADER_SIZE * len(pages))
+    pack_page_headers(block, pages, pool)
+    whole = Buffer.of(block)
+    out = [Page(p.key, p.group, p.namespace, p.buffers, Buffer(whole.ptr + HEADER_SIZE * i, HEADER_SIZE, whole))
+           for i, p in enumerate(pages)]
+    return out, block, keep
+
+
+@given(
+    payloads=st.lists(st.lists(st.binary(max_size=400), min_size=1, max_size=3), min_size=1, max_size=6),
+    namespaces=st.lists(st.one_of(st.just(NS), st.text(max_size=30), _hex), min_size=6, max_size=6),
+    pool=st.sampled_from([*PoolKind, "indexer", "swa", "an open pool"]),
+)
+def test_compiled_page_headers_equal_make_header(payloads, namespaces, pool):
+    """The Store's headers (one compiled call over Page objects) are make_header's, byte for byte,
+    whatever the namespace (hex fingerprint or anything else), key characters, pool and buffers."""
+    keys = [f"{i:02x}é{i}.{ns[:4]}" for i, ns in enumerate(namespaces[: len(payloads)])]
+    pages, block, _keep = _pages_with_headers(payloads, pool, keys, namespaces[: len(payloads)])
+    for i, (parts, key, ns) in enumerate(zip(payloads, keys, namespaces, strict=False)):
+        assert bytes(block[HEADER_SIZE * i : HEADER_SIZE * (i + 1)]) == make_header(key, ns, pool, parts)
+
+
+@given(
+    payloads=st.lists(st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=3), min_size=1, max_size=5),
+    flips=st.lists(st.tuples(st.integers(0, 4), st.integers(0, HEADER_SIZE + 899), st.integers(1, 255)), max_size=3),
+    pool=st.sampled_from([*PoolKind, "indexer"]),
+    asked=st.sampled_from([None, *PoolKind, "indexer"]),
+)
+def test_compiled_verification_flags_exactly_what_check_page_rejects(payloads, flips, pool, asked):
+    """corrupt_pages (the Store's check of every restored page) flags exactly the pages check_page
+    rejects: a flipped byte anywhere in a header or payload, or a page checked as another pool."""
+    from hicache_draft.page_format import check_page, corrupt_pages
+
+    keys = [f"{i:064x}.{NS}" for i in range(len(payloads))]
+    pages, block, keep = _pages_with_headers(payloads, pool, keys, [NS] * len(payloads))
+    sizes = [sum(len(p) for p in parts) for parts in payloads]
+    for which, at, x in flips:
+        if which >= len(pages):
+            continue
+        if at < HEADER_SIZE:
+            block[HEADER_SIZE * which + at] ^= x
+        elif at - HEADER_SIZE < sizes[which]:
+            off = at - HEADER_SIZE
+            bufs = [b for b in keep[sum(len(p) for p in payloads[:which]):][: len(payloads[which])]]
+            for mem in bufs:
+                if off < len(mem):
+                    mem[off] ^= x
+                    break
+                off -= len(mem)
+    checked = asked or pool
+    expected = [
+        i for i, p in enumerate(pages)
+        if _verdict(check_page, p.header.view(), p.key, p.namespace, checked, [b.view() for b in p.buffers],
+                    p.nbytes) is not None
+    ]
+    assert corrupt_pages(pages, checked) == expected

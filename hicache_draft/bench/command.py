@@ -45,11 +45,13 @@ def bench() -> None:
 @click.option("--pages", type=click.IntRange(min=1), default=None, help="Pages per step (default 384; 24 quick).")
 @click.option("--quick", is_flag=True, help="A small rank (4 layers, 16-token pages) for a fast run.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Threads of the pwritev/preadv ceiling.")
+@click.option("--batch-pages", type=click.IntRange(min=1, max=4096), default=128, show_default=True,
+              help="The controller's pages per storage call (config batch_pages).")
 @_backend
 @_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def pipeline(root: Path | None, pages: int | None, quick: bool, threads: int | None, backend_name: str | None,
-             option_pairs: tuple[str, ...], as_json: bool) -> None:
+def pipeline(root: Path | None, pages: int | None, quick: bool, threads: int | None, batch_pages: int,
+             backend_name: str | None, option_pairs: tuple[str, ...], as_json: bool) -> None:
     """Device pool -> host pool -> backup -> restart -> prefetch -> device, target and draft, with
     the filesystem's own ceiling; GB/s and ratios to the device-to-host copy."""
     from hicache_draft.bench.pipeline import Shape, format_report, run_pipeline
@@ -58,7 +60,7 @@ def pipeline(root: Path | None, pages: int | None, quick: bool, threads: int | N
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
     rep = run_pipeline(root=root, pages=pages or (24 if quick else 384), shape=shape, backend=backend_name,
-                       options=_options(option_pairs), ceiling_threads=threads)
+                       options=_options(option_pairs), ceiling_threads=threads, batch_pages=batch_pages)
     click.echo(json.dumps(rep.as_dict(), indent=2) if as_json else format_report(rep))
     if not all(rep.checks.values()):
         raise SystemExit(1)

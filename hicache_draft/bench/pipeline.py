@@ -99,7 +99,9 @@ def scratch_options(backend: str | None, directory: Path) -> dict[str, Any]:
     return offered
 
 
-def _config(shape: Shape, backend: str | None, options: Mapping[str, Any], model: str) -> Any:  # noqa: ANN401
+def _config(
+    shape: Shape, backend: str | None, options: Mapping[str, Any], model: str, batch_pages: int
+) -> Any:  # noqa: ANN401
     from hicache_draft.config import Config
 
     data: dict[str, Any] = {
@@ -111,6 +113,7 @@ def _config(shape: Shape, backend: str | None, options: Mapping[str, Any], model
         "draft": {"enabled": True, "attention": "mha", "layers": shape.draft_layers, "kv_heads": shape.kv_heads,
                   "head_dim": shape.head_dim},
         "timeout_s": 120.0,
+        "batch_pages": batch_pages,
     }
     if backend is not None:
         data["backend"] = backend
@@ -169,16 +172,18 @@ def run_pipeline(
     backend: str | None = None,
     options: Mapping[str, Any] | None = None,
     ceiling_threads: int | None = None,
+    batch_pages: int = 128,
 ) -> PipelineReport:
-    """Measure every step once, each copy after a first touch of its memory."""
+    """Measure every step once, each copy after a first touch of its memory (``batch_pages``:
+    the controller's pages per storage call)."""
     with warnings.catch_warnings():  # torch's "Failed to initialize NumPy" (we never use NumPy), scoped
         warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
-        return _run(root, pages, shape or Shape(), backend, options, ceiling_threads)
+        return _run(root, pages, shape or Shape(), backend, options, ceiling_threads, batch_pages)
 
 
 def _run(
     root: Path | None, pages: int, shape: Shape, backend: str | None, options: Mapping[str, Any] | None,
-    ceiling_threads: int | None,
+    ceiling_threads: int | None, batch_pages: int,
 ) -> PipelineReport:
     from hicache_draft.controller import CacheController
     from hicache_draft.pools import import_torch
@@ -197,7 +202,7 @@ def _run(
     opts = dict(options) if options is not None else scratch_options(backend, store_root)
     model = f"bench-{secrets.token_hex(4)}"
     try:
-        cfg = _config(shape, backend, opts, model)
+        cfg = _config(shape, backend, opts, model, batch_pages)
         writer = CacheController.from_config(cfg, num_pages=pages)
         tgt, drf = writer.target_pool, writer.draft_pool
         assert drf is not None

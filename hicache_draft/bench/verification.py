@@ -76,7 +76,8 @@ def measure(
             bare = [PageTransfer(PoolKind.KV, _pages(dst, groups, namespace, page_bytes))]
             transfers = store.attach_headers(bare, made=False)
             store.pm.hook.page_get(
-                transfers=transfers, deadline=time.monotonic() + store.timeout_s, finished=lambda pool, idx: None
+                transfers=transfers, deadline=time.monotonic() + store.timeout_s, finished=lambda pool, idx: None,
+                read_records=None,
             )
             timed["bare"].append(time.perf_counter() - t0)
         if dst != src:

@@ -51,7 +51,7 @@ from hicache_draft.config import ParallelConfig
 from hicache_draft.errors import BackendSetupError
 from hicache_draft.hookspecs import API_VERSION, hookimpl
 from hicache_draft.pools import HostPool, PoolSpec
-from hicache_draft.store import Store
+from hicache_draft.store import Store, _EarlyVerifier
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer
 
 PAGE_SIZE = 4
@@ -559,7 +559,8 @@ class ConformanceSuite:
             for hook in ("page_set", "page_get"):
                 transfers = store.attach_headers([rig.transfer(pages)], made=hook == "page_set")
                 t0 = time.monotonic()
-                extra = {"finished": lambda pool, indices: None} if hook == "page_get" else {}
+                early = _EarlyVerifier(store, transfers)
+                extra = {"finished": early.finished, "read_records": early.read_records} if hook == "page_get" else {}
                 answer = getattr(store.pm.hook, hook)(transfers=transfers, deadline=time.monotonic() - 1.0, **extra)
                 took = time.monotonic() - t0
                 assert took < self.deadline_grace_s, f"{case.id}: {hook} ran {took:.2f}s past its deadline"

@@ -87,6 +87,7 @@ from hicache_draft import (
     StorageBackend,
     hookimpl,
     parse_header,
+    read_into,
 )
 from hicache_draft_file.catalog import Catalog, Segment
 from hicache_draft_file.journal import Journal, JournalUnavailable, Op, is_leftover
@@ -106,12 +107,10 @@ from hicache_draft_file.naming import (
     segment_name,
 )
 from hicache_draft_file.options import FileOptions
-from hicache_draft_file.region_views import RegionViews, SliceViews
 from hicache_draft_file.root_setup import prepare_root
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry, ident, pid_alive
 from hicache_draft_file.segment_format import SegmentError, read_index, storable_pool
 from hicache_draft_file.segment_writer import claim_file, write_segment
-from hicache_draft_file.vectored_io import IOV_MAX, preadv_all
 
 log = logging.getLogger("hicache_draft_file")
 
@@ -119,6 +118,7 @@ log = logging.getLogger("hicache_draft_file")
 # and the core is told they are final (``finished``), so it verifies them while the rest is read:
 # a run this small is still in the CPU cache when the core's xxh3 reads it.
 _RUN_MAX_BYTES = 1 << 20
+_RUN_MAX_BUFFERS = 4096  # headers and page buffers of one run (read_into splits them into IOV_MAX calls)
 # A call's reads are shared by several threads only with at least this much per thread, and its
 # writes spread over several segment files only with at least _SPLIT_MIN bytes per file (see
 # README: smaller shares cost more in GIL hand-overs than the overlap saves).
@@ -147,6 +147,7 @@ _POOL_CAP = PoolCapability(
 # A page to read: (record offset in its segment, payload bytes, pool, index in the call, page).
 _Item = tuple[int, int, str, int, Page]
 _Finished = Callable[[str, Iterable[int]], None]
+_ReadRecords = Callable[[int, int, Sequence[tuple[str, int]]], int]
 
 
 def _not_told(pool: str, indices: Iterable[int]) -> None:
@@ -224,7 +225,6 @@ class FileBackend(StorageBackend):
         self.stats = FileStats()
         self.catalog = Catalog()
         self.registrations: dict[str, PoolRegistration] = {}
-        self._regions = RegionViews()  # views of the registered pools' memory (reads slice them)
         self._lock = threading.RLock()  # catalog, handles, journal offset
         self._fs_lock = threading.Lock()  # serialises this process's use of the root flock
         self._handles: OrderedDict[str, _Handle] = OrderedDict()
@@ -237,9 +237,6 @@ class FileBackend(StorageBackend):
         self._pool = (
             ThreadPoolExecutor(self.workers - 1, thread_name_prefix="hcd-file-io") if self.workers > 1 else None
         )
-        # pages without the core's header (direct hook calls): copies records into the file while
-        # the writing thread makes the next headers (a separate pool: its tasks wait on nothing)
-        self._io = ThreadPoolExecutor(2, thread_name_prefix="hcd-file-copy") if self.workers > 1 else None
         try:
             self._lock_fd = self._open_lock()
             self._journal = Journal(self.dirs.root_fd, JOURNAL_FILE, writable=self.writable)
@@ -480,9 +477,6 @@ class FileBackend(StorageBackend):
             raise ValueError(f"file backend cannot name pool {registration.pool!r} in its segments")
         with self._lock:
             self.registrations[registration.pool] = registration
-            self._regions = RegionViews(
-                b for reg in self.registrations.values() for b in (*reg.regions, *reg.staging)
-            )
 
     @hookimpl
     def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[str, list[PageResult]]:
@@ -625,9 +619,7 @@ class FileBackend(StorageBackend):
             self._seq += 1
             name = segment_name(self._writer, self._seq)
         items = [(pool, page) for pool, _i, page in batch]
-        ws = write_segment(
-            self.dirs, name, items, self.opts.fsync, self._regions.view, self._io, deadline=deadline,
-        )
+        ws = write_segment(self.dirs, name, items, self.opts.fsync, deadline=deadline)
 
         fname = name + SEGMENT_SUFFIX
         try:
@@ -662,7 +654,11 @@ class FileBackend(StorageBackend):
 
     @hookimpl
     def page_get(
-        self, transfers: Sequence[PageTransfer], deadline: float, finished: _Finished | None = None
+        self,
+        transfers: Sequence[PageTransfer],
+        deadline: float,
+        finished: _Finished | None = None,
+        read_records: _ReadRecords | None = None,
     ) -> dict[str, list[PageResult]]:
         results = {t.pool: [PageResult.MISS] * len(t.pages) for t in transfers}
         self._poll()
@@ -700,7 +696,7 @@ class FileBackend(StorageBackend):
                         last = plan[seg] = [] if got is None else got
                     last.append((index.offsets[rec], stored, pool, i, page))
         if plan:
-            self._read_plan(plan, results, deadline, finished or _not_told)
+            self._read_plan(plan, results, deadline, finished or _not_told, read_records)
         return results
 
     def _read_plan(
@@ -709,6 +705,7 @@ class FileBackend(StorageBackend):
         results: dict[str, list[PageResult]],
         deadline: float,
         finished: _Finished,
+        read_records: _ReadRecords | None = None,
     ) -> None:
         """Read every planned page. Each segment's pages are sorted by offset and cut into runs of
         adjacent records (one ``preadv`` each); the runs of all segments are shared, contiguously
@@ -738,11 +735,8 @@ class FileBackend(StorageBackend):
             for a, b in itertools.pairwise(bounds):
                 runs.append((sr, a, b))
                 weights.append(items[b - 1][0] + items[b - 1][1] - items[a][0])
-        view = self._regions.view
-        heads = SliceViews().view
-
         def share(part: list[tuple[_SegRead, int, int]]) -> None:
-            _read_share(part, view, heads, results, finished, deadline)
+            _read_share(part, results, finished, deadline, read_records)
 
         # small records are dominated by per-page Python work: threads contending for the GIL
         # read them slower than one thread does (see _SHARE_MIN_RECORD)
@@ -861,15 +855,12 @@ class FileBackend(StorageBackend):
             if self._closed:
                 return
             self._closed = True
-            self._regions = RegionViews()
             for name in list(self._handles):
                 with contextlib.suppress(OSError):
                     self._retire_handle(name)
             self._journal.close()
-            for ex in (self._pool, self._io):
-
-                if ex is not None:
-                    ex.shutdown(wait=False)
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
         with self._fs_lock:  # no thread is inside the root lock any more
             if self._lock_fd >= 0:
                 with contextlib.suppress(OSError):
@@ -1200,7 +1191,7 @@ def _item_offset(item: _Item) -> int:
 
 def _run_bounds(items: list[_Item]) -> list[int]:
     """Where offset-sorted ``items`` split into runs of adjacent records, each at most
-    ``_RUN_MAX_BYTES`` (a larger record alone) and ``4 * IOV_MAX`` buffers: the index of every
+    ``_RUN_MAX_BYTES`` (a larger record alone) and ``_RUN_MAX_BUFFERS`` buffers: the index of every
     run's first item, then ``len(items)``."""
     bounds: list[int] = []
     next_off = -1
@@ -1208,7 +1199,7 @@ def _run_bounds(items: list[_Item]) -> list[int]:
     for j, (off, n, _pool, _i, page) in enumerate(items):
         span = HEADER_SIZE + n
         more = 1 + len(page.buffers)
-        if off != next_off or nbytes + span > _RUN_MAX_BYTES or n_iov + more > 4 * IOV_MAX:
+        if off != next_off or nbytes + span > _RUN_MAX_BYTES or n_iov + more > _RUN_MAX_BUFFERS:
             bounds.append(j)
             nbytes = n_iov = 0
         nbytes += span
@@ -1220,11 +1211,10 @@ def _run_bounds(items: list[_Item]) -> list[int]:
 
 def _read_share(
     runs: Sequence[tuple[_SegRead, int, int]],
-    view: Callable[[Buffer], memoryview],
-    head_view: Callable[[Buffer], memoryview],
     results: dict[str, list[PageResult]],
     finished: _Finished,
     deadline: float,
+    read_records: _ReadRecords | None = None,
 ) -> None:
     """One thread's share of a ``page_get``: its runs in order, each checked against the deadline
     first (a run not started in time fails its pages). An I/O error fails that run's pages only.
@@ -1239,7 +1229,7 @@ def _read_share(
                 results[pool][i] = _FAILED
             continue
         try:
-            got = _read_run(sr.handle.fd, run, view, head_view, results, sr.bad, told)
+            got = _read_run(sr.handle.fd, run, results, sr.bad, told, read_records)
         except OSError as exc:
             sr.error = exc
             for _off, _n, pool, i, _page in run:
@@ -1261,51 +1251,60 @@ def _read_share(
 def _read_run(
     fd: int,
     run: list[_Item],
-    view: Callable[[Buffer], memoryview],
-    head_view: Callable[[Buffer], memoryview],
     results: dict[str, list[PageResult]],
     bad: list[tuple[str, int, str]],
     done: dict[str, list[int]],
+    read_records: _ReadRecords | None = None,
 ) -> int:
-    """One ``preadv`` of adjacent records: each header straight into the page's ``header`` buffer
-    (a scratch buffer for pages without one), each payload straight into the page's buffers. Then
-    every header is parsed (magic, version, its own checksum, key, namespace, pool, length: cheap,
-    and it catches short, foreign and misplaced records) and the pages that pass are reported to
-    ``done`` (by pool); their payloads are the core's to verify. Returns the bytes found OK."""
-    iov: list[memoryview] = []
-    heads: list[memoryview] = []
+    """One :func:`read_into` of adjacent records (``preadv`` without the GIL): each header straight
+    into the page's ``header`` buffer, each payload straight into the page's buffers. A page with
+    the core's header is the core's to verify (header and payload, :class:`~hicache_draft.Store`);
+    a page without one (a direct hook call) has its header parsed here (magic, version, its own
+    checksum, key, namespace, pool, length), which catches short, foreign and misplaced records.
+    Pages that pass are reported to ``done`` (by pool). Returns the bytes found OK.
+
+    With the core's ``read_records`` (a run whose pages all carry the core's header), the core reads
+    the run itself and verifies every page as its bytes land; those pages are final already."""
+    start = run[0][0]
+    if read_records is not None and all(item[4].header is not None for item in run):
+        end = start + read_records(fd, start, [(pool, i) for _off, _n, pool, i, _page in run])
+        ok = 0
+        for off, n, pool, i, _page in run:
+            if off + HEADER_SIZE + n > end:
+                bad.append((pool, i, "truncated segment"))
+                continue
+            results[pool][i] = _OK
+            ok += HEADER_SIZE + n
+        return ok
+    iov: list[Buffer | memoryview] = []
     scratch: memoryview | None = None
     for j, item in enumerate(run):
         page = item[4]
         hb = page.header
-        if hb is not None:
-            head = head_view(hb)
-        else:
+        if hb is None:
             if scratch is None:
                 scratch = memoryview(bytearray(HEADER_SIZE * len(run)))
-            head = scratch[j * HEADER_SIZE : (j + 1) * HEADER_SIZE]
-        heads.append(head)
-        iov.append(head)
-        bufs = page.buffers
-        if len(bufs) == 1:
-            iov.append(view(bufs[0]))
+            iov.append(scratch[j * HEADER_SIZE : (j + 1) * HEADER_SIZE])
         else:
-            iov.extend(map(view, bufs))
-    start = run[0][0]
-    end = start + preadv_all(fd, iov, start)
+            iov.append(hb)
+        iov.extend(page.buffers)
+    end = start + read_into(fd, start, iov)
     ok = 0
-    for (off, n, pool, i, page), head in zip(run, heads, strict=True):
+    for j, (off, n, pool, i, page) in enumerate(run):
         if off + HEADER_SIZE + n > end:
             bad.append((pool, i, "truncated segment"))
             continue
-        try:
-            stored = parse_header(head, page.key, page.namespace, pool).payload_len
-        except PageFormatError as exc:
-            bad.append((pool, i, str(exc)))
-            continue
-        if stored != n:
-            bad.append((pool, i, f"payload length mismatch: header {stored}, index {n}"))
-            continue
+        if page.header is None:
+            assert scratch is not None
+            try:
+                stored = parse_header(scratch[j * HEADER_SIZE : (j + 1) * HEADER_SIZE], page.key, page.namespace,
+                                      pool).payload_len
+            except PageFormatError as exc:
+                bad.append((pool, i, str(exc)))
+                continue
+            if stored != n:
+                bad.append((pool, i, f"payload length mismatch: header {stored}, index {n}"))
+                continue
         results[pool][i] = _OK
         got = done.get(pool)
         if got is None:

@@ -13,8 +13,18 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hicache_draft import HEADER_SIZE, Page, PageFormatError, PoolKind, make_header, parse_header, verify_payload
-from hicache_draft_file.vectored_io import preadv_all, pwritev_all
+from hicache_draft import (
+    HEADER_SIZE,
+    Page,
+    PageFormatError,
+    PoolKind,
+    make_header,
+    parse_header,
+    read_into,
+    verify_payload,
+    write_from,
+)
+from hicache_draft_file.vectored_io import WRITE_CHUNK
 
 
 class OneFilePerPage:
@@ -36,7 +46,7 @@ class OneFilePerPage:
             tmp = final + ".tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                pwritev_all(fd, [memoryview(make_header(page.key, page.namespace, pool, views)), *views], 0)
+                write_from(fd, 0, [make_header(page.key, page.namespace, pool, views), *views], chunk=WRITE_CHUNK)
             finally:
                 os.close(fd)
             os.rename(tmp, final)
@@ -53,7 +63,7 @@ class OneFilePerPage:
             except FileNotFoundError:
                 continue
             try:
-                got = preadv_all(fd, [memoryview(head), *views], 0)
+                got = read_into(fd, 0, [head, *views])
             finally:
                 os.close(fd)
             if got != HEADER_SIZE + page.nbytes:

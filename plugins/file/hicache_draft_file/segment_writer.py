@@ -1,35 +1,22 @@
 """Writing one segment: claim a file in ``tmp/`` (a recycled one when there is one), write the
-records straight from the page buffers with ``pwritev``, append the footer, optionally fsync.
-Publishing (the rename into ``seg/``) is the caller's, under the shared root lock."""
+records straight from the page buffers (one :func:`hicache_draft.write_from` call: ``pwritev``
+without the GIL), append the footer, optionally fsync. Publishing (the rename into ``seg/``) is
+the caller's, under the shared root lock."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
-import queue
-import threading
-import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hicache_draft import HEADER_SIZE, Buffer, Page, make_headers
-from hicache_draft_file.region_views import SliceViews
+from hicache_draft import HEADER_SIZE, Buffer, Page, make_headers, write_from
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry
 from hicache_draft_file.segment_format import SegmentIndex, build_footer, pool_table
-from hicache_draft_file.vectored_io import WRITE_CHUNK, preallocate, pwritev_all
-
-# Segments under 1 MiB, or of records under 256 KiB on average, are written by the calling
-# thread alone. A hand-off to the writer thread costs a wake-up (20-100 us on the development VM)
-# and, while both threads run Python, GIL hand-overs: for 64 KiB pages that cost more than the
-# overlap saved (8 MiB batches: 1.48 GB/s pipelined, 1.67 GB/s in one thread), while 1 MiB pages
-# gain (128 MiB batches: 3.2-3.5 GB/s pipelined, 2.7-2.8 GB/s in one thread).
-_PIPELINE_MIN = 1 << 20
-_PIPELINE_MIN_RECORD = 256 << 10
+from hicache_draft_file.vectored_io import WRITE_CHUNK, preallocate
 
 
 @dataclass
@@ -88,8 +75,6 @@ def write_segment(
     name: str,
     items: Sequence[tuple[str, Page]],
     fsync: bool,
-    view: Callable[[Buffer], memoryview] = Buffer.view,
-    io: Executor | None = None,
     chunk: int = WRITE_CHUNK,
     deadline: float = float("inf"),
 ) -> WrittenSegment:
@@ -98,38 +83,25 @@ def write_segment(
 
     The layout and the footer depend only on the pages' sizes, so they are computed first and the
     file is preallocated to its final size (where the filesystem supports it). Then the records
-    are written in ``chunk``-aligned calls of ``chunk`` bytes, each record's header (xxh3 of its
-    payload) made just before its bytes are cut (see :func:`_record_calls`). With ``io`` (and at
-    least ``_PIPELINE_MIN`` bytes of large records) the calls are handed to a thread of ``io`` as
-    they are made, so the headers of the next records are computed while the previous ones are
-    copied into the file (``pwritev`` and xxh3 both release the GIL). ``view`` gives a buffer's
-    bytes (the backend passes slices of its registered regions, cheaper than ``Buffer.view``).
-    Pages that carry the core's header need no checksum here, so they are written by the calling
-    thread alone (nothing to overlap). Past ``deadline`` the next call is not made: the write
-    fails with :class:`TimeoutError` (and the page buffers are not read any more).
+    (header, payload, back to back from offset 0) go out in one :func:`write_from` call whose
+    system calls end on multiples of ``chunk`` in the file: on the development VM (ext4, Linux
+    6.18) 128 records of 64 KiB written on aligned calls went in 1.3x faster than in calls cut at
+    record boundaries (64 header bytes off every alignment) and read back 1.8x faster, as the
+    kernel caches the file in large folios. A page that carries the core's header (made before the
+    call from the bytes handed over) is stored with it as is; pages without one (direct hook
+    calls) get theirs made here. Past ``deadline`` no further call is made: the write fails with
+    :class:`TimeoutError` and the page buffers are not read any more.
     """
     tmp, fd, old_size, recycled = claim_file(dirs, name)
     try:
-        views = [[view(b) for b in page.buffers] for _pool, page in items]
-        index = _index_of(items, views)
+        index = _index_of(items)
         footer = build_footer(index)
         end = index.data_end + len(footer)
         index.size = end
         if old_size < end:
             preallocate(fd, end)
-        if (
-            io is not None
-            and index.data_end >= max(_PIPELINE_MIN, _PIPELINE_MIN_RECORD * len(items))
-            and any(page.header is None for _pool, page in items)
-        ):
-            _write_pipelined(fd, items, views, index, chunk, io)
-        else:
-            clock = time.monotonic
-            for iov, at in _record_calls(items, views, index, chunk):
-                if clock() > deadline:
-                    raise TimeoutError(errno.ETIMEDOUT, "page_set ran past its deadline")
-                pwritev_all(fd, iov, at, chunk)
-        pwritev_all(fd, [memoryview(footer)], index.data_end)
+        write_from(fd, 0, _record_buffers(items), chunk=chunk, deadline=deadline)
+        write_from(fd, index.data_end, [footer])
         if old_size > end:
             os.ftruncate(fd, end)
         if fsync:
@@ -144,102 +116,28 @@ def write_segment(
     )
 
 
-def _record_calls(
-    items: Sequence[tuple[str, Page]], views: Sequence[Sequence[memoryview]], index: SegmentIndex, chunk: int
-) -> Iterator[tuple[list[memoryview], int]]:
-    """The writes of a segment's records as ``(views, file offset)``: the records (header then
-    payload, back to back from offset 0) cut into calls that each cover ``[k * chunk, (k + 1) *
-    chunk)`` of the file, the last one shorter.
-
-    Calls on chunk-aligned offsets let the kernel cache the file in large folios: on the
-    development VM (ext4, Linux 6.18) 128 records of 64 KiB written this way went in 1.3x faster
-    than in calls cut at record boundaries (which sit 64 header bytes off every alignment) and
-    read back 1.8x faster; 1 MiB records wrote 1.4x faster. The headers of the records starting
-    in the next ``chunk`` bytes are made together (:func:`hicache_draft.make_headers`) right
-    before those records are cut: the payloads their checksums just read are still in the CPU
-    cache when the kernel copies them into the file."""
-    lengths = index.lengths
-    n = len(items)
-    head_view = SliceViews().view
-    pending: list[memoryview] = []
-    room = chunk  # bytes left before the next aligned boundary
-    at = 0  # file offset of pending[0]
-    lo = 0
-    while lo < n:
-        hi = lo + 1
-        total = HEADER_SIZE + lengths[lo]
-        while hi < n and total + HEADER_SIZE + lengths[hi] <= chunk:
-            total += HEADER_SIZE + lengths[hi]
-            hi += 1
-        made = None
-        if any(page.header is None for _pool, page in items[lo:hi]):
-            made = memoryview(make_headers([
-                (page.key, page.namespace, pool, views[i]) for i, (pool, page) in enumerate(items[lo:hi], lo)
-            ]))
-        for j, i in enumerate(range(lo, hi)):
-            hdr = items[i][1].header
-            # the core's header (made before the call from the bytes handed over) is stored as is
-            head = head_view(hdr) if hdr is not None else made[j * HEADER_SIZE : (j + 1) * HEADER_SIZE]  # type: ignore[index]
-            for v in (head, *views[i]):
-                nb = v.nbytes
-                while nb >= room:  # v reaches the boundary: close this call
-                    pending.append(v[:room])
-                    yield pending, at
-                    at += chunk
-                    v, nb = v[room:], nb - room
-                    pending, room = [], chunk
-                if nb:
-                    pending.append(v)
-                    room -= nb
-        lo = hi
-    if pending:
-        yield pending, at
+def _record_buffers(items: Sequence[tuple[str, Page]]) -> list[Buffer | memoryview]:
+    """Every record's header then its payload buffers, in segment order."""
+    missing = [(page.key, page.namespace, pool, page.buffers) for pool, page in items if page.header is None]
+    made = memoryview(make_headers(missing)) if missing else None
+    out: list[Buffer | memoryview] = []
+    j = 0
+    for _pool, page in items:
+        head = page.header
+        if head is None:
+            assert made is not None
+            out.append(made[j * HEADER_SIZE : (j + 1) * HEADER_SIZE])
+            j += 1
+        else:
+            out.append(head)
+        out.extend(page.buffers)
+    return out
 
 
-def _write_pipelined(
-    fd: int,
-    items: Sequence[tuple[str, Page]],
-    views: Sequence[Sequence[memoryview]],
-    index: SegmentIndex,
-    chunk: int,
-    io: Executor,
-) -> None:
-    """The record writes done by a thread of ``io``, fed through a queue while this thread makes
-    the next headers. The writer stops at its first error, which is raised here once this thread
-    has stopped feeding it; the file descriptor is never closed while the writer may still use it."""
-    calls: queue.SimpleQueue[tuple[list[memoryview], int, int] | None] = queue.SimpleQueue()
-    failed = threading.Event()
-
-    def drain() -> None:
-        try:
-            while (call := calls.get()) is not None:
-                pwritev_all(fd, *call)
-        except BaseException:
-            failed.set()
-            raise
-
-    try:
-        writer = io.submit(drain)
-    except RuntimeError:  # the executor is shut down (the backend is closing): write inline
-        for iov, at in _record_calls(items, views, index, chunk):
-            pwritev_all(fd, iov, at, chunk)
-        return
-    try:
-        for iov, at in _record_calls(items, views, index, chunk):
-            if failed.is_set():
-                break
-            calls.put((iov, at, chunk))
-    finally:
-        calls.put(None)
-        error = writer.exception()  # waits: the writer is done with fd before anyone closes it
-    if error is not None:
-        raise error
-
-
-def _index_of(items: Sequence[tuple[str, Page]], views: Sequence[Sequence[memoryview]]) -> SegmentIndex:
+def _index_of(items: Sequence[tuple[str, Page]]) -> SegmentIndex:
     """The index of a segment holding ``items`` in order from offset 0 (``size`` is set once the
     footer is made)."""
-    lengths = array("Q", [sum(v.nbytes for v in vs) for vs in views])
+    lengths = array("Q", [sum(b.nbytes for b in page.buffers) for _pool, page in items])
     offsets = array("Q", bytes(8 * len(items)))
     at = 0
     for i, n in enumerate(lengths):

@@ -111,15 +111,15 @@ def compact_kill(root: str) -> None:
 
 def write_kill(root: str, n: int) -> None:
     store = Store.open("file", {"root": root, "io_threads": 1})
-    real = writer_mod.pwritev_all
+    real = writer_mod.write_from
 
-    def pwritev_all(fd: int, *a: Any, **kw: Any) -> int:
+    def write_from(fd: int, *a: Any, **kw: Any) -> int:
         if os.fstat(fd).st_size >= n:  # the file has been started (preallocated, or a first chunk)
             real(fd, *a, **kw)
             die()
         return real(fd, *a, **kw)
 
-    writer_mod.pwritev_all = pwritev_all  # type: ignore[assignment]
+    writer_mod.write_from = write_from  # type: ignore[assignment]
     store.page_set([transfer(p, [group(i, 4) for i in range(8)], n) for p in PoolKind])
     print("not killed", flush=True)
     sys.exit(3)

@@ -63,10 +63,10 @@ def test_full_disk_fails_the_pages_and_keeps_what_was_stored(open_store, kit, mo
     kept = [kit.group(i, 1) for i in range(4)]
     store.page_set(kit.both(kept, PAGE))
 
-    def no_space(*_a: object) -> int:
+    def no_space(*_a: object, **_kw: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(segment_writer, "pwritev_all", no_space)
+    monkeypatch.setattr(segment_writer, "write_from", no_space)
     lost = [kit.group(i, 2) for i in range(4)]
     res = store.page_set(kit.both(lost, PAGE))
     assert res == {PoolKind.KV: [PageResult.FAILED] * 4, PoolKind.DRAFT: [PageResult.FAILED] * 4}

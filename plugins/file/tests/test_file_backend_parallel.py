@@ -72,7 +72,7 @@ def test_shared_writes_and_reads_give_every_page_its_result_in_order(kit, store:
     writers = _threads_of(monkeypatch, file_backend, "write_segment")
     groups = _stored(kit, store)
     assert len(writers) > 1 and store.backend.usage()["segments"] > 1  # one call, several files
-    readers = _threads_of(monkeypatch, file_backend, "preadv_all")
+    readers = _threads_of(monkeypatch, file_backend, "_read_run")
     # shuffled, with misses and a repeat interleaved, over both pools
     order = [*groups, *(f"{9:08x}{i:056x}" for i in range(6)), groups[3]]
     random.Random(7).shuffle(order)
@@ -89,21 +89,22 @@ def test_shared_writes_and_reads_give_every_page_its_result_in_order(kit, store:
 
 def test_an_io_error_in_one_share_fails_only_its_pages(kit, store: Store, monkeypatch) -> None:
     groups = _stored(kit, store)
-    real = file_backend.preadv_all
+    real = file_backend._read_run
     failed_at: list[int] = []
     lock = threading.Lock()
 
-    def flaky(fd: int, views: list[memoryview], offset: int) -> int:
+    def flaky(fd: int, run: list, *rest: object) -> int:
+        offset = run[0][0]
         with lock:
             first = not failed_at and offset > 0
             if first:
                 failed_at.append(offset)
         if first:
             raise OSError(errno.EIO, "injected")
-        return real(fd, views, offset)
+        return real(fd, run, *rest)
 
-    monkeypatch.setattr(file_backend, "preadv_all", flaky)
-    readers = _threads_of(monkeypatch, file_backend, "preadv_all")
+    monkeypatch.setattr(file_backend, "_read_run", flaky)
+    readers = _threads_of(monkeypatch, file_backend, "_read_run")
     ts = [PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))]
     got, _ = store.page_get(ts)
     assert len(readers) > 1 and failed_at
@@ -137,8 +138,8 @@ def _slow(monkeypatch: pytest.MonkeyPatch, module: object, name: str, delay: flo
 
 def test_every_read_share_stops_at_the_deadline_and_ends_before_the_call(kit, store: Store, monkeypatch) -> None:
     groups = _stored(kit, store)
-    spans = _slow(monkeypatch, file_backend, "preadv_all", 0.05)
-    readers = _threads_of(monkeypatch, file_backend, "preadv_all")
+    spans = _slow(monkeypatch, file_backend, "_read_run", 0.05)
+    readers = _threads_of(monkeypatch, file_backend, "_read_run")
     ts = attach_headers([PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))], made=False)
     deadline = time.monotonic() + 0.12
     got = store.backend.page_get(ts, deadline)
@@ -157,7 +158,8 @@ def test_every_read_share_stops_at_the_deadline_and_ends_before_the_call(kit, st
 def test_every_write_share_stops_at_the_deadline_and_ends_before_the_call(
     kit, store: Store, monkeypatch, tmp_path: Path
 ) -> None:
-    spans = _slow(monkeypatch, segment_writer, "pwritev_all", 0.02)
+    # every segment's write reaches the kernel only after the deadline: the write itself refuses
+    spans = _slow(monkeypatch, segment_writer, "write_from", 0.08)
     writers = _threads_of(monkeypatch, file_backend, "write_segment")
     groups = _groups(2)
     n = 65536  # four segments of 12 pages: each written in several 256 KiB calls
@@ -251,11 +253,11 @@ def test_a_segment_recycled_while_read_is_a_miss_never_corrupt(kit, store: Store
     one reads through its descriptor: the headers read may still pass, the payloads are someone
     else's. The pages are gone: a miss, never OK, never counted corrupt by the core."""
     groups = _stored(kit, store, tag=3)
-    real = file_backend.preadv_all
+    real = file_backend._read_run
     moved: list[Path] = []
     lock = threading.Lock()
 
-    def evict_then_read(fd: int, views: list[memoryview], offset: int) -> int:
+    def evict_then_read(fd: int, *rest: object) -> int:
         with lock:
             if not moved:
                 for seg in list(store.backend.catalog.segments.values()):
@@ -266,9 +268,9 @@ def test_a_segment_recycled_while_read_is_a_miss_never_corrupt(kit, store: Store
                         for k in range(len(seg.index)):
                             f.seek(seg.offset(k) + 64)
                             f.write(b"\x5a" * N)
-        return real(fd, views, offset)
+        return real(fd, *rest)
 
-    monkeypatch.setattr(file_backend, "preadv_all", evict_then_read)
+    monkeypatch.setattr(file_backend, "_read_run", evict_then_read)
     got, _ = store.page_get([PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))])
     assert moved and got[PoolKind.KV] == [PageResult.MISS] * COUNT
     assert store.corrupt_pages == 0 and store.backend.usage()["corrupt_pages"] == 0

@@ -7,14 +7,12 @@ number of buffers per page, and whether those buffers lie in registered memory o
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 from pathlib import Path
 
 import pytest
 from hicache_draft_file import backend as file_backend
 from hicache_draft_file.bench import bench_size
-from hicache_draft_file.region_views import RegionViews
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -124,13 +122,13 @@ def test_one_call_reads_many_runs_and_checks_each_page(open_store, monkeypatch: 
     """Pages far beyond one run, and a payload damaged in a middle run: that page is CORRUPT, every
     page reported OK has its exact bytes."""
     calls: list[int] = []
-    real = file_backend.preadv_all
+    real = file_backend._read_run
 
-    def counting(fd: int, views: list[memoryview], offset: int) -> int:
-        calls.append(sum(v.nbytes for v in views))
-        return real(fd, views, offset)
+    def counting(fd: int, run: list, *rest: object) -> int:
+        calls.append(sum(64 + n for _off, n, *_ in run))
+        return real(fd, run, *rest)
 
-    monkeypatch.setattr(file_backend, "preadv_all", counting)
+    monkeypatch.setattr(file_backend, "_read_run", counting)
     store = open_store()
     n, count = 65536, 40
     src = Arena(count * (n + 80))
@@ -155,28 +153,6 @@ def test_one_call_reads_many_runs_and_checks_each_page(open_store, monkeypatch: 
     per_run = file_backend._RUN_MAX_BYTES // (n + 64)  # adjacent records: runs as full as allowed
     assert per_run >= 2 and len(calls) == -(-count // per_run)
     assert max(calls) <= file_backend._RUN_MAX_BYTES
-
-
-@settings(max_examples=50, deadline=None)
-@given(
-    spans=st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 4096)), min_size=0, max_size=4),
-    at=st.integers(0, 20000),
-    size=st.integers(0, 3000),
-)
-def test_region_views_equal_buffer_views(spans: list[tuple[int, int]], at: int, size: int) -> None:
-    """Inside a registered region, straddling one, or outside all: the same bytes, writable, as
-    ``Buffer.view()`` (regions may overlap)."""
-    mem = bytearray(hashlib.shake_256(b"mem").digest(24000))
-    whole = Buffer.of(mem)
-    regions = [Buffer(whole.ptr + start, length, owner=mem) for start, length in spans]
-    rv = RegionViews(regions)
-    buf = Buffer(whole.ptr + at, min(size, len(mem) - at), owner=mem)
-    v = rv.view(buf)
-    assert v.format == "B" and not v.readonly and v.nbytes == buf.nbytes
-    assert v.tobytes() == buf.view().tobytes() == bytes(mem[at : at + buf.nbytes])
-    if buf.nbytes:
-        v[0] ^= 0xFF
-        assert mem[at] == ctypes.c_ubyte.from_address(buf.ptr).value == v[0]
 
 
 def test_the_benchmark_round_runs_on_registered_pools(tmp_path: Path) -> None:

@@ -1,0 +1,749 @@
+/* hicache_draft._native: the data plane's hot loops, without the GIL.
+ *
+ * What it holds, and why it is compiled (issue 15): per page, the core makes a 64-byte header
+ * (page_format.py) before every page_set and checks it after every page_get; a backend moves the
+ * page's buffers with preadv/pwritev. Done in Python that is about 15 us of interpreter work per
+ * page (memoryviews, struct packing, one hash call per buffer), most of it holding the GIL, which
+ * caps 64 KiB pages far below what the kernel and the hash can do, and leaves the other cores idle.
+ * Here one call handles a whole batch: the Python objects are read with the GIL held (a few
+ * attribute reads per page), then every hash, comparison and system call runs with the GIL
+ * released, so threads that split a batch run in parallel.
+ *
+ * The header rule itself is page_format.py's; this file computes the same bytes (tests compare
+ * both on every field) and page_format.py's Python parser still names the problem of a page that
+ * fails here. xxhash is the reference C library (Debian's libxxhash-dev header, inlined: the
+ * built module needs no shared library), the same code the `xxhash` Python package binds.
+ *
+ * Memory: a buffer is either an object with the buffer protocol (held for the whole call) or an
+ * object with integer `ptr` and `nbytes` attributes (hicache_draft.Buffer: host memory its owner
+ * keeps alive, exactly as Buffer.view() trusts it). Built against the stable ABI of Python 3.11.
+ */
+#define Py_LIMITED_API 0x030B0000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+/* xxh3_64 over spans or streamed, one build per instruction set (_native_hash_*.c); `hash` is the
+ * best set this CPU runs, chosen once at import */
+typedef struct {
+    uint64_t (*spans)(const struct iovec *, long);
+    void (*reset)(XXH3_state_t *);
+    void (*update)(XXH3_state_t *, const void *, size_t);
+    uint64_t (*digest)(const XXH3_state_t *);
+    const char *isa;
+} xxh3_impl;
+
+#define HCD_DECLARE(isa)                                                                    \
+    uint64_t hcd_xxh3_spans_##isa(const struct iovec *iov, long n);                         \
+    void hcd_xxh3_reset_##isa(XXH3_state_t *st);                                            \
+    void hcd_xxh3_update_##isa(XXH3_state_t *st, const void *p, size_t n);                  \
+    uint64_t hcd_xxh3_digest_##isa(const XXH3_state_t *st);                                 \
+    static const xxh3_impl impl_##isa = {hcd_xxh3_spans_##isa, hcd_xxh3_reset_##isa,        \
+                                         hcd_xxh3_update_##isa, hcd_xxh3_digest_##isa, #isa};
+HCD_DECLARE(base)
+#if defined(__x86_64__) && defined(__GNUC__)
+HCD_DECLARE(avx2)
+HCD_DECLARE(avx512)
+#endif
+static const xxh3_impl *hash = &impl_base;
+
+static void choose_xxh3(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+        hash = &impl_avx512;
+    else if (__builtin_cpu_supports("avx2"))
+        hash = &impl_avx2;
+#endif
+}
+
+#define HEADER_SIZE 64
+#define FORMAT_VERSION 1
+static const unsigned char MAGIC[8] = {'H', 'C', 'D', 'P', 'A', 'G', 'E', 0};
+
+#ifndef IOV_MAX
+#define IOV_MAX 1024
+#endif
+
+static PyObject *str_ptr, *str_nbytes, *str_key, *str_namespace, *str_buffers, *str_header;
+
+/* ---- buffers ---------------------------------------------------------------------------- */
+
+typedef struct {
+    struct iovec *iov;
+    Py_ssize_t n, cap;
+    Py_buffer *views; /* buffer-protocol objects held until release */
+    Py_ssize_t nviews, capviews;
+} spans;
+
+static void spans_free(spans *s) {
+    for (Py_ssize_t i = 0; i < s->nviews; i++) PyBuffer_Release(&s->views[i]);
+    free(s->iov);
+    free(s->views);
+    memset(s, 0, sizeof(*s));
+}
+
+static int grow(void **p, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
+    if (need <= *cap) return 0;
+    Py_ssize_t c = *cap ? *cap : 16;
+    while (c < need) c *= 2;
+    void *q = realloc(*p, (size_t)c * item);
+    if (q == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *p = q;
+    *cap = c;
+    return 0;
+}
+
+/* Append one buffer's memory to `s`: the buffer protocol first, else `ptr`/`nbytes`. */
+static int spans_add(spans *s, PyObject *obj, int writable) {
+    void *base;
+    Py_ssize_t len;
+    if (PyObject_CheckBuffer(obj)) {
+        if (grow((void **)&s->views, &s->capviews, s->nviews + 1, sizeof(Py_buffer)) < 0) return -1;
+        Py_buffer *v = &s->views[s->nviews];
+        if (PyObject_GetBuffer(obj, v, writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) return -1;
+        s->nviews++;
+        base = v->buf;
+        len = v->len;
+    } else {
+        PyObject *p = PyObject_GetAttr(obj, str_ptr);
+        if (p == NULL) return -1;
+        base = PyLong_AsVoidPtr(p);
+        Py_DECREF(p);
+        if (base == NULL && PyErr_Occurred()) return -1;
+        PyObject *n = PyObject_GetAttr(obj, str_nbytes);
+        if (n == NULL) return -1;
+        len = PyLong_AsSsize_t(n);
+        Py_DECREF(n);
+        if (len == -1 && PyErr_Occurred()) return -1;
+        if (len < 0) {
+            PyErr_SetString(PyExc_ValueError, "buffer with negative nbytes");
+            return -1;
+        }
+        if (base == NULL && len > 0) {
+            PyErr_SetString(PyExc_ValueError, "buffer at address 0");
+            return -1;
+        }
+    }
+    if (grow((void **)&s->iov, &s->cap, s->n + 1, sizeof(struct iovec)) < 0) return -1;
+    s->iov[s->n].iov_base = base;
+    s->iov[s->n].iov_len = (size_t)len;
+    s->n++;
+    return 0;
+}
+
+static int spans_add_all(spans *s, PyObject *seq, int writable) {
+    PyObject *t = PySequence_Tuple(seq);
+    if (t == NULL) return -1;
+    Py_ssize_t n = PyTuple_Size(t);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (spans_add(s, PyTuple_GetItem(t, i), writable) < 0) {
+            Py_DECREF(t);
+            return -1;
+        }
+    }
+    Py_DECREF(t);
+    return 0;
+}
+
+/* ---- headers ------------------------------------------------------------------------------ */
+
+typedef struct {
+    const char *key;
+    Py_ssize_t key_len;
+    unsigned char ns[12];
+    unsigned char code;
+    Py_ssize_t first, count; /* its payload spans */
+    unsigned char *header;   /* where the header is written (pack) or read (check) */
+} page_job;
+
+static void le16(unsigned char *p, uint16_t v) { p[0] = v & 0xff; p[1] = v >> 8; }
+static void le32(unsigned char *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (v >> (8 * i)) & 0xff; }
+static void le64(unsigned char *p, uint64_t v) { for (int i = 0; i < 8; i++) p[i] = (v >> (8 * i)) & 0xff; }
+
+/* The header page_format.make_header makes for this job's key, namespace and pool, and a payload
+ * of `n` bytes whose xxh3_64 is `sum`. */
+static void make_header_of(const page_job *j, uint64_t n, uint64_t sum, unsigned char out[HEADER_SIZE]) {
+    memcpy(out, MAGIC, 8);
+    le16(out + 8, FORMAT_VERSION);
+    out[10] = j->code;
+    out[11] = 0;
+    le32(out + 12, HEADER_SIZE);
+    le64(out + 16, n);
+    le64(out + 24, sum);
+    memcpy(out + 32, j->ns, 12);
+    XXH128_canonical_t kd;
+    XXH128_canonicalFromHash(&kd, XXH3_128bits(j->key, (size_t)j->key_len));
+    memcpy(out + 44, kd.digest, 16);
+    le32(out + 60, XXH32(out, 60, 0));
+}
+
+/* The header for this job's payload spans. */
+static void make_one(const page_job *j, const struct iovec *iov, unsigned char out[HEADER_SIZE]) {
+    uint64_t n = 0;
+    for (Py_ssize_t k = j->first; k < j->first + j->count; k++) n += iov[k].iov_len;
+    make_header_of(j, n, hash->spans(iov + j->first, (long)j->count), out);
+}
+
+static int hexval(int c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/* The 12 namespace bytes: a 24-hex-digit string parsed here, anything else through `fallback`
+ * (page_format.namespace_bytes, which hashes it). `last`/`last_ns` remember the previous one:
+ * a batch mostly has one namespace. */
+static int namespace_of(PyObject *ns, PyObject *fallback, PyObject **last, unsigned char out[12],
+                        unsigned char last_ns[12]) {
+    if (ns == *last) {
+        memcpy(out, last_ns, 12);
+        return 0;
+    }
+    int done = 0;
+    if (PyUnicode_Check(ns)) {
+        Py_ssize_t len;
+        const char *s = PyUnicode_AsUTF8AndSize(ns, &len);
+        if (s == NULL) return -1;
+        if (len == 24) {
+            done = 1;
+            for (int i = 0; i < 12; i++) {
+                int hi = hexval((unsigned char)s[2 * i]), lo = hexval((unsigned char)s[2 * i + 1]);
+                if (hi < 0 || lo < 0) {
+                    done = 0;
+                    break;
+                }
+                out[i] = (unsigned char)(hi << 4 | lo);
+            }
+        }
+    }
+    if (!done) {
+        PyObject *b = PyObject_CallFunctionObjArgs(fallback, ns, NULL);
+        if (b == NULL) return -1;
+        char *p;
+        Py_ssize_t len;
+        if (PyBytes_AsStringAndSize(b, &p, &len) < 0 || len != 12) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "namespace bytes must be 12 bytes");
+            Py_DECREF(b);
+            return -1;
+        }
+        memcpy(out, p, 12);
+        Py_DECREF(b);
+    }
+    *last = ns;
+    memcpy(last_ns, out, 12);
+    return 0;
+}
+
+typedef struct {
+    PyObject *items; /* tuple, holds every object the jobs point into */
+    page_job *jobs;
+    Py_ssize_t n;
+    spans payload;
+    spans heads; /* one span per job (check: the stored header) */
+} batch;
+
+static void batch_free(batch *b) {
+    spans_free(&b->payload);
+    spans_free(&b->heads);
+    free(b->jobs);
+    Py_XDECREF(b->items);
+    memset(b, 0, sizeof(*b));
+}
+
+/* Read `items` into jobs. An item is a page (attributes key, namespace, buffers and, with
+ * `with_header`, header) or a tuple (key, namespace, parts). `codes`: an int for every item, or a
+ * bytes-like object of one pool code per item. */
+static int batch_load(batch *b, PyObject *items, PyObject *codes, PyObject *fallback, int with_header) {
+    memset(b, 0, sizeof(*b));
+    b->items = PySequence_Tuple(items);
+    if (b->items == NULL) return -1;
+    b->n = PyTuple_Size(b->items);
+    b->jobs = calloc((size_t)(b->n ? b->n : 1), sizeof(page_job));
+    if (b->jobs == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    long one_code = -1;
+    Py_buffer cv;
+    int have_cv = 0;
+    if (PyLong_Check(codes)) {
+        one_code = PyLong_AsLong(codes);
+        if (one_code < 0 || one_code > 255) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "pool code out of range 0..255");
+            return -1;
+        }
+    } else {
+        if (PyObject_GetBuffer(codes, &cv, PyBUF_SIMPLE) < 0) return -1;
+        have_cv = 1;
+        if (cv.len != b->n) {
+            PyBuffer_Release(&cv);
+            PyErr_SetString(PyExc_ValueError, "one pool code per item");
+            return -1;
+        }
+    }
+    PyObject *last = NULL;
+    unsigned char last_ns[12];
+    int rc = -1;
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        PyObject *it = PyTuple_GetItem(b->items, i);
+        page_job *j = &b->jobs[i];
+        PyObject *key, *ns, *parts, *head = NULL;
+        if (PyTuple_Check(it)) {
+            if (PyTuple_Size(it) != 3) {
+                PyErr_SetString(PyExc_TypeError, "an item is a page or (key, namespace, parts)");
+                goto out;
+            }
+            key = PyTuple_GetItem(it, 0);
+            ns = PyTuple_GetItem(it, 1);
+            parts = PyTuple_GetItem(it, 2);
+            Py_INCREF(key);
+            Py_INCREF(ns);
+            Py_INCREF(parts);
+        } else {
+            key = PyObject_GetAttr(it, str_key);
+            ns = key ? PyObject_GetAttr(it, str_namespace) : NULL;
+            parts = ns ? PyObject_GetAttr(it, str_buffers) : NULL;
+            if (parts == NULL) {
+                Py_XDECREF(key);
+                Py_XDECREF(ns);
+                goto out;
+            }
+        }
+        /* the page holds key and namespace: borrowed pointers stay valid while b->items lives */
+        int bad = 0;
+        if (!PyUnicode_Check(key)) {
+            PyErr_SetString(PyExc_TypeError, "page key must be a str");
+            bad = 1;
+        } else {
+            j->key = PyUnicode_AsUTF8AndSize(key, &j->key_len);
+            bad = j->key == NULL;
+        }
+        if (!bad) bad = namespace_of(ns, fallback, &last, j->ns, last_ns) < 0;
+        j->code = (unsigned char)(have_cv ? ((unsigned char *)cv.buf)[i] : one_code);
+        j->first = b->payload.n;
+        if (!bad) bad = spans_add_all(&b->payload, parts, 0) < 0;
+        j->count = b->payload.n - j->first;
+        if (!bad && with_header) {
+            head = PyObject_GetAttr(it, str_header);
+            if (head == NULL) {
+                bad = 1;
+            } else if (head == Py_None) {
+                PyErr_SetString(PyExc_ValueError, "page without a header");
+                bad = 1;
+            } else {
+                bad = spans_add(&b->heads, head, 0) < 0;
+                if (!bad && b->heads.iov[b->heads.n - 1].iov_len < HEADER_SIZE) {
+                    PyErr_SetString(PyExc_ValueError, "page header shorter than 64 bytes");
+                    bad = 1;
+                }
+                if (!bad) j->header = b->heads.iov[b->heads.n - 1].iov_base;
+            }
+            Py_XDECREF(head);
+        }
+        Py_DECREF(key);
+        Py_DECREF(ns);
+        Py_DECREF(parts);
+        if (bad) goto out;
+    }
+    rc = 0;
+out:
+    if (have_cv) PyBuffer_Release(&cv);
+    return rc;
+}
+
+static PyObject *pack_headers(PyObject *self, PyObject *args) {
+    PyObject *out, *items, *codes, *fallback;
+    if (!PyArg_ParseTuple(args, "OOOO:pack_headers", &out, &items, &codes, &fallback)) return NULL;
+    Py_buffer ov;
+    if (PyObject_GetBuffer(out, &ov, PyBUF_WRITABLE) < 0) return NULL;
+    batch b;
+    if (batch_load(&b, items, codes, fallback, 0) < 0) {
+        batch_free(&b);
+        PyBuffer_Release(&ov);
+        return NULL;
+    }
+    if (ov.len < b.n * HEADER_SIZE) {
+        batch_free(&b);
+        PyBuffer_Release(&ov);
+        return PyErr_Format(PyExc_ValueError, "output holds %zd bytes, %zd headers need %zd", ov.len, b.n,
+                            b.n * HEADER_SIZE);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < b.n; i++) make_one(&b.jobs[i], b.payload.iov, (unsigned char *)ov.buf + i * HEADER_SIZE);
+    Py_END_ALLOW_THREADS
+    batch_free(&b);
+    PyBuffer_Release(&ov);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mismatches(PyObject *self, PyObject *args) {
+    PyObject *items, *codes, *fallback;
+    if (!PyArg_ParseTuple(args, "OOO:mismatches", &items, &codes, &fallback)) return NULL;
+    batch b;
+    if (batch_load(&b, items, codes, fallback, 1) < 0) {
+        batch_free(&b);
+        return NULL;
+    }
+    unsigned char *bad = calloc((size_t)(b.n ? b.n : 1), 1);
+    if (bad == NULL) {
+        batch_free(&b);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t nbad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    unsigned char made[HEADER_SIZE];
+    for (Py_ssize_t i = 0; i < b.n; i++) {
+        make_one(&b.jobs[i], b.payload.iov, made);
+        if (memcmp(made, b.jobs[i].header, HEADER_SIZE) != 0) {
+            bad[i] = 1;
+            nbad++;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *res = PyList_New(nbad);
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; res != NULL && i < b.n; i++) {
+        if (!bad[i]) continue;
+        PyObject *v = PyLong_FromSsize_t(i);
+        if (v == NULL) {
+            Py_CLEAR(res);
+            break;
+        }
+        PyList_SetItem(res, k++, v);
+    }
+    free(bad);
+    batch_free(&b);
+    return res;
+}
+
+/* ---- positional vectored I/O ---------------------------------------------------------------- */
+
+static double monotonic_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Advance `iov` (n entries, cursor *i) by `done` bytes. */
+static void advance(struct iovec *iov, Py_ssize_t n, Py_ssize_t *i, size_t done) {
+    while (*i < n && done >= iov[*i].iov_len) {
+        done -= iov[*i].iov_len;
+        (*i)++;
+    }
+    if (*i < n && done) {
+        iov[*i].iov_base = (char *)iov[*i].iov_base + done;
+        iov[*i].iov_len -= done;
+    }
+}
+
+static PyObject *read_into(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset;
+    PyObject *bufs;
+    if (!PyArg_ParseTuple(args, "iLO:read_into", &fd, &offset, &bufs)) return NULL;
+    if (offset < 0) return PyErr_Format(PyExc_ValueError, "negative offset");
+    spans s = {0};
+    if (spans_add_all(&s, bufs, 1) < 0) {
+        spans_free(&s);
+        return NULL;
+    }
+    long long total = 0;
+    int err = 0;
+    Py_ssize_t i = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (i < s.n && s.iov[i].iov_len == 0) i++;
+    while (i < s.n) {
+        int cnt = (int)(s.n - i < IOV_MAX ? s.n - i : IOV_MAX);
+        ssize_t got = preadv(fd, s.iov + i, cnt, (off_t)offset);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            err = errno;
+            break;
+        }
+        if (got == 0) break; /* end of file */
+        offset += got;
+        total += got;
+        advance(s.iov, s.n, &i, (size_t)got);
+        while (i < s.n && s.iov[i].iov_len == 0) i++;
+    }
+    Py_END_ALLOW_THREADS
+    spans_free(&s);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLongLong(total);
+}
+
+static PyObject *write_from(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset, chunk;
+    double deadline;
+    PyObject *bufs;
+    if (!PyArg_ParseTuple(args, "iLOLd:write_from", &fd, &offset, &bufs, &chunk, &deadline)) return NULL;
+    if (offset < 0 || chunk <= 0) return PyErr_Format(PyExc_ValueError, "negative offset or non-positive chunk");
+    spans s = {0};
+    if (spans_add_all(&s, bufs, 0) < 0) {
+        spans_free(&s);
+        return NULL;
+    }
+    /* calls end on multiples of `chunk` in the file (large page-cache folios), IOV_MAX at most */
+    struct iovec *call = malloc(sizeof(struct iovec) * IOV_MAX);
+    if (call == NULL) {
+        spans_free(&s);
+        return PyErr_NoMemory();
+    }
+    long long total = 0;
+    int err = 0, late = 0;
+    Py_ssize_t i = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (i < s.n && s.iov[i].iov_len == 0) i++;
+    while (i < s.n) {
+        if (isfinite(deadline) && monotonic_now() > deadline) {
+            late = 1;
+            break;
+        }
+        size_t room = (size_t)(chunk - offset % chunk);
+        int cnt = 0;
+        size_t want = 0;
+        for (Py_ssize_t k = i; k < s.n && cnt < IOV_MAX && want < room; k++) {
+            size_t take = s.iov[k].iov_len;
+            if (take == 0) continue;
+            if (take > room - want) take = room - want;
+            call[cnt].iov_base = s.iov[k].iov_base;
+            call[cnt].iov_len = take;
+            cnt++;
+            want += take;
+        }
+        ssize_t done = pwritev(fd, call, cnt, (off_t)offset);
+        if (done < 0) {
+            if (errno == EINTR) continue;
+            err = errno;
+            break;
+        }
+        if (done == 0) {
+            err = EIO;
+            break;
+        }
+        offset += done;
+        total += done;
+        advance(s.iov, s.n, &i, (size_t)done);
+        while (i < s.n && s.iov[i].iov_len == 0) i++;
+    }
+    Py_END_ALLOW_THREADS
+    free(call);
+    spans_free(&s);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (late) {
+        PyObject *exc_args = Py_BuildValue("(is)", ETIMEDOUT, "write ran past its deadline");
+        if (exc_args != NULL) {
+            PyErr_SetObject(PyExc_TimeoutError, exc_args);
+            Py_DECREF(exc_args);
+        }
+        return NULL;
+    }
+    return PyLong_FromLongLong(total);
+}
+
+/* ---- reading stored pages, verified as they land -------------------------------------------- */
+
+/* One piece of the byte stream of stored pages: a page's header or a part of its payload. */
+typedef struct {
+    unsigned char *p;
+    size_t len;
+    Py_ssize_t page;
+    int header; /* the page's header (not hashed) */
+    int last;   /* the page's last piece: its payload is complete once this one is */
+} piece;
+
+/* read_check(fd, offset, pages, codes, namespace_bytes, chunk) -> (bytes read, [indices that fail])
+ *
+ * `pages` are stored back to back from `offset` in the core's page format (each: its 64-byte
+ * header, then its payload): read them into each page's header and buffers in calls of at most
+ * `chunk` bytes, hash each payload part right after it arrives (while it is in this core's cache),
+ * and check every header against the one made for the page's key, namespace, pool and the bytes
+ * read. A page not read whole (end of file) fails. The GIL is released throughout. */
+static PyObject *read_check(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset, chunk;
+    PyObject *items, *codes, *fallback;
+    if (!PyArg_ParseTuple(args, "iLOOOL:read_check", &fd, &offset, &items, &codes, &fallback, &chunk)) return NULL;
+    if (offset < 0 || chunk <= 0) return PyErr_Format(PyExc_ValueError, "negative offset or non-positive chunk");
+    batch b;
+    if (batch_load(&b, items, codes, fallback, 1) < 0) {
+        batch_free(&b);
+        return NULL;
+    }
+    Py_ssize_t np = 0;
+    piece *pieces = malloc(sizeof(piece) * (size_t)(b.n + b.payload.n + 1));
+    unsigned char *bad = calloc((size_t)(b.n ? b.n : 1), 1);
+    struct iovec *call = malloc(sizeof(struct iovec) * IOV_MAX);
+    XXH3_state_t *st = XXH3_createState();
+    if (pieces == NULL || bad == NULL || call == NULL || st == NULL) {
+        free(pieces);
+        free(bad);
+        free(call);
+        XXH3_freeState(st);
+        batch_free(&b);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < b.n; i++) {
+        page_job *j = &b.jobs[i];
+        pieces[np++] = (piece){j->header, HEADER_SIZE, i, 1, 1};
+        for (Py_ssize_t k = j->first; k < j->first + j->count; k++) {
+            if (b.payload.iov[k].iov_len == 0) continue;
+            pieces[np - 1].last = 0;
+            pieces[np++] = (piece){b.payload.iov[k].iov_base, b.payload.iov[k].iov_len, i, 0, 1};
+        }
+        bad[i] = 1; /* until verified */
+    }
+    long long total = 0;
+    int err = 0;
+    Py_ssize_t at = 0; /* the piece being filled, and how much of it is */
+    size_t done_in = 0;
+    uint64_t page_len = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (at < np) {
+        int cnt = 0;
+        size_t want = 0;
+        Py_ssize_t k = at;
+        size_t o = done_in;
+        while (k < np && cnt < IOV_MAX && want < (size_t)chunk) {
+            size_t take = pieces[k].len - o;
+            if (take > (size_t)chunk - want) take = (size_t)chunk - want;
+            call[cnt].iov_base = pieces[k].p + o;
+            call[cnt].iov_len = take;
+            cnt++;
+            want += take;
+            o += take;
+            if (o == pieces[k].len) {
+                k++;
+                o = 0;
+            }
+        }
+        ssize_t got = preadv(fd, call, cnt, (off_t)offset);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            err = errno;
+            break;
+        }
+        if (got == 0) break; /* end of file: the pages not read whole fail */
+        offset += got;
+        total += got;
+        size_t left = (size_t)got;
+        while (left > 0) { /* hash what arrived, piece by piece, and finish the pages it completes */
+            piece *pc = &pieces[at];
+            size_t take = pc->len - done_in;
+            if (take > left) take = left;
+            if (pc->header) {
+                if (done_in == 0) {
+                    hash->reset(st);
+                    page_len = 0;
+                }
+            } else {
+                hash->update(st, pc->p + done_in, take);
+                page_len += take;
+            }
+            done_in += take;
+            left -= take;
+            if (done_in == pc->len) {
+                if (pc->last) {
+                    unsigned char made[HEADER_SIZE];
+                    page_job *j = &b.jobs[pc->page];
+                    make_header_of(j, page_len, hash->digest(st), made);
+                    bad[pc->page] = memcmp(made, j->header, HEADER_SIZE) != 0;
+                }
+                at++;
+                done_in = 0;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    XXH3_freeState(st);
+    free(call);
+    free(pieces);
+    PyObject *res = NULL;
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        PyObject *lst = PyList_New(0);
+        for (Py_ssize_t i = 0; lst != NULL && i < b.n; i++) {
+            if (!bad[i]) continue;
+            PyObject *v = PyLong_FromSsize_t(i);
+            if (v == NULL || PyList_Append(lst, v) < 0) Py_CLEAR(lst);
+            Py_XDECREF(v);
+        }
+        if (lst != NULL) {
+            res = Py_BuildValue("(LO)", total, lst);
+            Py_DECREF(lst);
+        }
+    }
+    free(bad);
+    batch_free(&b);
+    return res;
+}
+
+/* ---- module ------------------------------------------------------------------------------- */
+
+static PyMethodDef methods[] = {
+    {"pack_headers", pack_headers, METH_VARARGS,
+     "pack_headers(out, items, codes, namespace_bytes): write the 64-byte header of every item into out."},
+    {"mismatches", mismatches, METH_VARARGS,
+     "mismatches(pages, codes, namespace_bytes) -> indices of pages whose header is not the one made "
+     "from their key, namespace, pool and buffers."},
+    {"read_check", read_check, METH_VARARGS,
+     "read_check(fd, offset, pages, codes, namespace_bytes, chunk) -> (bytes read, indices of pages that "
+     "fail): stored pages read back to back and verified as they land."},
+    {"read_into", read_into, METH_VARARGS,
+     "read_into(fd, offset, buffers) -> bytes read (fewer only at end of file)."},
+    {"write_from", write_from, METH_VARARGS,
+     "write_from(fd, offset, buffers, chunk, deadline) -> bytes written; calls end on chunk multiples."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, .m_name = "_native", .m_doc = NULL, .m_size = -1, .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    str_ptr = PyUnicode_InternFromString("ptr");
+    str_nbytes = PyUnicode_InternFromString("nbytes");
+    str_key = PyUnicode_InternFromString("key");
+    str_namespace = PyUnicode_InternFromString("namespace");
+    str_buffers = PyUnicode_InternFromString("buffers");
+    str_header = PyUnicode_InternFromString("header");
+    if (!str_ptr || !str_nbytes || !str_key || !str_namespace || !str_buffers || !str_header) return NULL;
+    choose_xxh3();
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL) return NULL;
+    if (PyModule_AddStringConstant(m, "XXH3_ISA", hash->isa) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "IOV_MAX", IOV_MAX) < 0 || PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,13 @@
+"""Type stub of the compiled module ``hicache_draft._native`` (source: ``_native.c``)."""
+
+from collections.abc import Callable, Sequence
+
+IOV_MAX: int
+HEADER_SIZE: int
+
+def pack_headers(
+    out: object, items: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes]
+) -> None: ...
+def mismatches(pages: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes]) -> list[int]: ...
+def read_into(fd: int, offset: int, buffers: Sequence[object]) -> int: ...
+def write_from(fd: int, offset: int, buffers: Sequence[object], chunk: int, deadline: float) -> int: ...

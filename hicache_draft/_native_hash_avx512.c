@@ -1,0 +1,6 @@
+/* xxh3_64 over spans built for AVX-512 (see _native_xxh3.h); nothing on other processors. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC target("avx512f")
+#define HCD_ISA avx512
+#include "_native_xxh3.h"
+#endif

@@ -469,7 +469,7 @@ class HiCacheDraftStorage(HiCacheStorage):
         query for pages this server stored or restored is one lookup of the whole batch."""
         if binding.split != 1:
             return binding.keys(hashes.groups)
-        cache = self.key_caches[binding.name]
+        cache = self.key_caches.setdefault(binding.name, {})
         h = hashes.hashes
         try:
             return operator.itemgetter(*h)(cache) if len(h) > 1 else [cache[h[0]]]

@@ -5,10 +5,20 @@ back to back, into the same destination memory:
 
 * ``store``: :meth:`hicache_draft.Store.page_get`, as the controller and the SGLang adapter call
   it: headers handed out, every page verified (early where the backend reports pages finished);
-* ``bare``: the backend's own ``page_get`` hook with the same headers and nothing verified.
+* ``bare``: the backend's own ``page_get`` hook with the same headers and nothing verified; a
+  backend that hands runs of records to the core (``read_records``) gets one that reads them the
+  same way (one :func:`~hicache_draft.read_into` per run) and checks nothing, so both variants
+  share the backend's plan, threads and reads, and differ only in the verification.
 
 The ratio ``(store - bare) / store`` is the share of ``page_get`` time the verification costs.
 Medians over ``rounds``; the two variants alternate so that drift hits both.
+
+The same run also times the check alone (``hash``: :func:`~hicache_draft.corrupt_pages` in one
+thread over a piece of the size the core reads and hashes at a time, ``_RECORD_CHUNK``, so that it
+is in this core's cache as in the fused read-and-check; scaled to the pages' bytes) and prints
+``hash / (bare + hash)``: what verifying costs a core that also copies the bytes, the floor of the
+share wherever the cores that read a page also hash it (a read limited by memory bandwidth rather
+than by its cores can hide part of it).
 """
 
 from __future__ import annotations
@@ -17,13 +27,15 @@ import os
 import secrets
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hicache_draft.buffer_io import read_into
 from hicache_draft.capabilities import PoolKind
 from hicache_draft.keys import make_key
-from hicache_draft.store import Store
+from hicache_draft.page_format import HEADER_SIZE, corrupt_pages, pack_page_headers
+from hicache_draft.store import _RECORD_CHUNK, Store
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer
 
 
@@ -33,6 +45,12 @@ class VerificationCost:
     pages: int
     store_s: float
     bare_s: float
+    hash_s: float = 0.0  # the check alone, one thread, each page in this core's cache
+
+    @property
+    def floor(self) -> float:
+        """``hash / (bare + hash)``: the share verification costs a core that also copies the bytes."""
+        return self.hash_s / (self.bare_s + self.hash_s) if self.hash_s else 0.0
 
     @property
     def share(self) -> float:
@@ -41,7 +59,8 @@ class VerificationCost:
     def row(self) -> str:
         gb = self.page_bytes * self.pages / 1e9
         return (f"{self.page_bytes >> 10:>6} KiB x {self.pages:<4} | store {gb / self.store_s:6.2f} GB/s | "
-                f"bare {gb / self.bare_s:6.2f} GB/s | verification {self.share * 100:5.1f}% of page_get")
+                f"bare {gb / self.bare_s:6.2f} GB/s | verification {self.share * 100:5.1f}% of page_get | "
+                f"hash alone {gb / self.hash_s:6.2f} GB/s (one thread): floor {self.floor * 100:4.1f}%")
 
 
 def _pages(region: bytearray, groups: list[str], namespace: str, page_bytes: int) -> list[Page]:
@@ -50,6 +69,23 @@ def _pages(region: bytearray, groups: list[str], namespace: str, page_bytes: int
         Page(make_key(g, namespace), g, namespace, (Buffer(whole.ptr + i * page_bytes, page_bytes, owner=whole),))
         for i, g in enumerate(groups)
     ]
+
+
+def _unchecked_reader(transfers: Sequence[PageTransfer]) -> Callable[[int, int, Sequence[tuple[str, int]]], int]:
+    """A ``read_records`` that reads a run of records into the pages' headers and buffers in one
+    :func:`~hicache_draft.read_into` and checks nothing (the ``bare`` variant)."""
+    pages = {t.pool: t.pages for t in transfers}
+
+    def read(fd: int, offset: int, run: Sequence[tuple[str, int]]) -> int:
+        iov: list[Buffer] = []
+        for pool, i in run:
+            page = pages[pool][i]
+            assert page.header is not None
+            iov.append(page.header)
+            iov.extend(page.buffers)
+        return read_into(fd, offset, iov)
+
+    return read
 
 
 def measure(
@@ -65,7 +101,7 @@ def measure(
         res = store.page_set([PageTransfer(PoolKind.KV, _pages(src, groups, namespace, page_bytes))])
         if any(r is not PageResult.OK for r in res[PoolKind.KV]):
             raise RuntimeError(f"backend {backend!r} did not store the benchmark pages: {res[PoolKind.KV][:4]}...")
-        timed: dict[str, list[float]] = {"store": [], "bare": []}
+        timed: dict[str, list[float]] = {"store": [], "bare": [], "hash": []}
         for _ in range(rounds):
             t0 = time.perf_counter()
             got, _ = store.page_get([PageTransfer(PoolKind.KV, _pages(dst, groups, namespace, page_bytes))])
@@ -77,11 +113,25 @@ def measure(
             transfers = store.attach_headers(bare, made=False)
             store.pm.hook.page_get(
                 transfers=transfers, deadline=time.monotonic() + store.timeout_s, finished=lambda pool, idx: None,
-                read_records=None,
+                read_records=_unchecked_reader(transfers),
             )
             timed["bare"].append(time.perf_counter() - t0)
         if dst != src:
             raise RuntimeError("the pages read back differ from the pages stored")
-        return VerificationCost(page_bytes, pages, statistics.median(timed["store"]), statistics.median(timed["bare"]))
+        # the check alone, in cache: one piece of the size the core reads and hashes at a time
+        piece = min(page_bytes, _RECORD_CHUNK)
+        probe = Page(make_key(groups[0], namespace), groups[0], namespace, (Buffer.of(memoryview(dst)[:piece]),),
+                     Buffer.of(bytearray(HEADER_SIZE)))
+        assert probe.header is not None
+        pack_page_headers(probe.header.view(), [probe], PoolKind.KV)
+        reps = max(1, page_bytes * pages // piece)
+        for _ in range(rounds):
+            corrupt_pages([probe], PoolKind.KV)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                if corrupt_pages([probe], PoolKind.KV):
+                    raise RuntimeError("a page fails its own check")
+            timed["hash"].append((time.perf_counter() - t0) * page_bytes * pages / (reps * piece))
+        return VerificationCost(page_bytes, pages, *(statistics.median(timed[k]) for k in ("store", "bare", "hash")))
     finally:
         store.close()

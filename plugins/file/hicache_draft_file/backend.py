@@ -124,6 +124,9 @@ _RUN_MAX_BUFFERS = 4096  # headers and page buffers of one run (read_into splits
 # README: smaller shares cost more in GIL hand-overs than the overlap saves).
 _SHARE_MIN_BYTES = 4 << 20
 _SHARE_MIN_RECORD = 256 << 10
+# With the core's ``read_records`` a run costs one Python call whatever its records' size (the read
+# and the verification release the GIL), so a call's runs are shared by threads down to this much each.
+_SHARE_MIN_VERIFIED = 1 << 20
 # Pages read are announced to the core (``finished``) after every run: the core verifies them in
 # this thread right away, while the run (at most _RUN_MAX_BYTES) is still in this core's cache.
 _FINISH_BYTES = 1
@@ -738,11 +741,13 @@ class FileBackend(StorageBackend):
         def share(part: list[tuple[_SegRead, int, int]]) -> None:
             _read_share(part, results, finished, deadline, read_records)
 
-        # small records are dominated by per-page Python work: threads contending for the GIL
-        # read them slower than one thread does (see _SHARE_MIN_RECORD)
-        spread = sum(len(sr.items) for sr in reads) * _SHARE_MIN_RECORD <= sum(weights)
+        if read_records is not None:  # the core reads and verifies each run without the GIL
+            share_min = _SHARE_MIN_VERIFIED
+        else:  # small records are dominated by per-page Python work (see _SHARE_MIN_RECORD)
+            spread = sum(len(sr.items) for sr in reads) * _SHARE_MIN_RECORD <= sum(weights)
+            share_min = _SHARE_MIN_BYTES if spread else 1 << 62
         try:
-            self._spread(share, runs, weights, _SHARE_MIN_BYTES if spread else 1 << 62)
+            self._spread(share, runs, weights, share_min)
         finally:  # every share has ended: no thread uses a descriptor or a buffer any more
             for sr in reads:
                 try:

@@ -1,4 +1,5 @@
-"""The baseline the benchmark measures against: the obvious design, one file per page.
+"""The baseline the benchmark measures against (the obvious design, one file per page), and the
+floor under every design (:class:`RawBatch`, a batch's bytes in one call per thread).
 
 Each page is written to a temporary file with one ``pwritev`` (the same 64-byte header as the
 real backend, then the payload straight from the page buffers) and published by rename; it is
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from hicache_draft import (
     HEADER_SIZE,
+    Buffer,
     Page,
     PageFormatError,
     PoolKind,
@@ -107,6 +109,78 @@ class ThreadedFilePerPage(OneFilePerPage):
 
     def get(self, pool: PoolKind, pages: Sequence[Page]) -> int:
         return self._split(super().get, pool, pages)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+class RawBatch:
+    """The filesystem's floor for one batch, no design at all: each of ``threads`` contiguous shares
+    of a call's pages goes to a new file of its own in one ``write_from`` (its pages' 64-byte headers,
+    made beforehand and untimed, between the payloads, exactly the bytes the backend stores), and is
+    read back with one ``read_into``; no checksum is made or checked, no header parsed, nothing
+    indexed or renamed. A store that keeps these bytes in files on this filesystem cannot do less
+    I/O, so ``baseline / raw`` (with as many threads) is the highest ratio any design can reach."""
+
+    def __init__(self, root: Path, threads: int) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
+        self._heads: dict[str, bytearray] = {}
+
+    def _shares(self, pages: Sequence[Page]) -> list[Sequence[Page]]:
+        k = max(1, min(self.threads, len(pages)))
+        cuts = [j * len(pages) // k for j in range(k + 1)]
+        return [pages[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+
+    def prepare(self, pool: PoolKind, tag: str, pages: Sequence[Page]) -> None:
+        """Make the headers of ``pages`` (untimed: the floor moves bytes only)."""
+        out = bytearray(HEADER_SIZE * len(pages))
+        for j, page in enumerate(pages):
+            out[j * HEADER_SIZE : (j + 1) * HEADER_SIZE] = make_header(
+                page.key, page.namespace, pool, [b.view() for b in page.buffers]
+            )
+        self._heads[tag] = out
+
+    def _iov(self, tag: str, first: int, pages: Sequence[Page]) -> list[memoryview | Buffer]:
+        heads = memoryview(self._heads[tag])
+        iov: list[memoryview | Buffer] = []
+        for j, page in enumerate(pages, start=first):
+            iov.append(heads[j * HEADER_SIZE : (j + 1) * HEADER_SIZE])
+            iov.extend(page.buffers)
+        return iov
+
+    def _each(self, fn: Callable[[int, int, Sequence[Page]], int], pages: Sequence[Page]) -> int:
+        shares = self._shares(pages)
+        firsts = [sum(len(s) for s in shares[:j]) for j in range(len(shares))]
+        if self._pool is None or len(shares) == 1:
+            return sum(fn(j, firsts[j], sh) for j, sh in enumerate(shares))
+        futures = [self._pool.submit(fn, j, firsts[j], sh) for j, sh in enumerate(shares) if j]
+        return fn(0, 0, shares[0]) + sum(f.result() for f in futures)
+
+    def set(self, tag: str, pages: Sequence[Page]) -> int:
+        def one(j: int, first: int, share: Sequence[Page]) -> int:
+            fd = os.open(self.root / f"{tag}-{j}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_from(fd, 0, self._iov(tag, first, share), chunk=WRITE_CHUNK)
+            finally:
+                os.close(fd)
+            return len(share)
+
+        return self._each(one, pages)
+
+    def get(self, tag: str, pages: Sequence[Page]) -> int:
+        def one(j: int, first: int, share: Sequence[Page]) -> int:
+            fd = os.open(self.root / f"{tag}-{j}", os.O_RDONLY)
+            try:
+                got = read_into(fd, 0, self._iov(tag, first, share))
+            finally:
+                os.close(fd)
+            return len(share) if got == sum(HEADER_SIZE + p.nbytes for p in share) else 0
+
+        return self._each(one, pages)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -28,6 +28,7 @@ COUNT = 48
 def _share_small_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(file_backend, "_SHARE_MIN_BYTES", 64 << 10)
     monkeypatch.setattr(file_backend, "_SHARE_MIN_RECORD", 1)
+    monkeypatch.setattr(file_backend, "_SHARE_MIN_VERIFIED", 64 << 10)
     monkeypatch.setattr(file_backend, "_SPLIT_MIN", 64 << 10)
     monkeypatch.setattr(file_backend, "_RUN_MAX_BYTES", 64 << 10)  # several runs per share
     monkeypatch.setattr(file_backend, "_FINISH_BYTES", 1)
@@ -274,3 +275,22 @@ def test_a_segment_recycled_while_read_is_a_miss_never_corrupt(kit, store: Store
     got, _ = store.page_get([PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))])
     assert moved and got[PoolKind.KV] == [PageResult.MISS] * COUNT
     assert store.corrupt_pages == 0 and store.backend.usage()["corrupt_pages"] == 0
+
+
+def test_small_records_read_through_the_core_are_shared_by_threads(kit, store: Store, monkeypatch) -> None:
+    """Records far below ``_SHARE_MIN_RECORD`` are read by one thread when the backend parses their
+    headers itself (per-page Python holds the GIL), but shared by the pool when the core reads and
+    verifies each run (``read_records``: one call per run, no GIL held): every page correct."""
+    monkeypatch.setattr(file_backend, "_SHARE_MIN_RECORD", 256 << 10)  # the shipped value: 16 KiB is small
+    monkeypatch.setattr(file_backend, "_SHARE_MIN_VERIFIED", 64 << 10)
+    groups = _stored(kit, store)
+    readers = _threads_of(monkeypatch, file_backend, "_read_run")
+    pages = _pages(kit, PoolKind.KV, groups, False)
+    got, _ = store.page_get([PageTransfer(PoolKind.KV, pages)])
+    assert got[PoolKind.KV] == [PageResult.OK] * COUNT
+    assert all(bytes(p.buffers[0].view()) == kit.payload(p.key, N) for p in pages)
+    assert len(readers) > 1
+    readers.clear()
+    plain = attach_headers([PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))], made=False)
+    got = store.backend.page_get(plain, time.monotonic() + 30)
+    assert list(got[PoolKind.KV]) == [PageResult.OK] * COUNT and len(readers) == 1

@@ -43,3 +43,33 @@ def test_bench_commands_print_their_ratios(tmp_path):
     assert "% of page_get" in out.output and "hash alone" in out.output and "floor" in out.output
     bad = CliRunner().invoke(main, ["bench", "verify", "--option", "nonsense"])
     assert bad.exit_code == 2 and "KEY=VALUE" in bad.output
+
+
+def test_the_ceiling_moves_the_pages_own_bytes_from_and_into_their_memory(tmp_path, monkeypatch):
+    """The pipeline's filesystem ceiling writes and reads every page once per pass, one call per
+    page, straight from and into the page's own memory (not a reused buffer the CPU keeps cached),
+    and the bytes come back as they were."""
+    import ctypes
+    import os
+
+    from hicache_draft import Buffer
+    from hicache_draft.bench import pipeline
+
+    data = bytearray(os.urandom(7 * 3000))
+    before = bytes(data)
+    whole = Buffer.of(data)
+    pages = [Buffer(whole.ptr + i * 3000, 3000, whole) for i in range(7)]
+    calls: dict[str, list[tuple[int, int]]] = {"pwritev": [], "preadv": []}
+    for name in calls:
+        real = getattr(os, name)
+
+        def spy(fd, views, off, _real=real, _name=name):
+            calls[_name].extend((ctypes.addressof((ctypes.c_ubyte * v.nbytes).from_buffer(v)), v.nbytes) for v in views)
+            return _real(fd, views, off)
+
+        monkeypatch.setattr(os, name, spy)
+    secs = pipeline._ceiling(tmp_path, pages, threads=3)
+    assert len(secs) == 3 and all(s > 0 for s in secs)
+    want = sorted((p.ptr, p.nbytes) for p in pages)
+    assert sorted(calls["pwritev"]) == sorted(want * 2) and sorted(calls["preadv"]) == want
+    assert bytes(data) == before and not list(tmp_path.iterdir())  # its files are removed

@@ -7,10 +7,13 @@ page) with a one-layer EAGLE draft (256 KiB per page). Steps, each over the same
 2. ``backup``: :meth:`CacheController.backup` of target and draft pages to the store;
 3. ``prefetch``: a fresh controller (a restarted server) restores them into other host slots;
 4. ``h2d``: host pool -> device pool;
-5. ``ceiling write`` / ``ceiling rewrite`` / ``ceiling read``: plain threads doing ``os.pwritev`` of
-   the same bytes in ``page``-sized calls into new files on the store's filesystem (``ceiling_threads``
-   of them, one file each), again into the same files (space already allocated), and ``os.preadv``
-   back: what Python can reach there at all. Backup is compared to the first, prefetch to the last.
+5. ``ceiling write`` / ``ceiling rewrite`` / ``ceiling read``: plain threads (``ceiling_threads``, one
+   file each, a contiguous share of the pages each) doing one ``os.pwritev`` per page of the restored
+   pages, straight from the host pool's memory, into new files on the store's filesystem, again into
+   the same files (space already allocated), and one ``os.preadv`` per page back into the same pool
+   memory: the same bytes between the same memory and that filesystem, nothing else done (a buffer
+   reused for every call would stay in the CPU cache and overstate the ceiling). Backup is compared
+   to the first, prefetch to the last.
 
 Every step prints GB/s and its ratio to ``d2h``; backup and prefetch also their ratio to the ceiling.
 Without CUDA the "device" is a second host tensor, so the copies are host copies (CI runs it that way).
@@ -18,16 +21,19 @@ Without CUDA the "device" is a second host tensor, so the copies are host copies
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hicache_draft.transfer import Buffer
 
 
 @dataclass(frozen=True)
@@ -128,28 +134,32 @@ def _timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def _ceiling(root: Path, nbytes: int, call_bytes: int, threads: int) -> tuple[float, float, float]:
-    """Seconds for ``threads`` threads to pwritev ``nbytes`` in ``call_bytes`` calls into new files,
-    to write them again (space already allocated), and to preadv them."""
-    per = -(-nbytes // threads // call_bytes) * call_bytes
-    bufs = [bytearray(os.urandom(min(call_bytes, 1 << 20)) * (call_bytes // min(call_bytes, 1 << 20)))
-            for _ in range(threads)]
-    paths = [root / f"ceiling-{secrets.token_hex(4)}-{i}" for i in range(threads)]
+def _ceiling(root: Path, pages: Sequence[Buffer], threads: int) -> tuple[float, float, float]:
+    """Seconds for ``threads`` threads, each with a contiguous share of ``pages`` (host-pool memory,
+    one ``Buffer`` per page), to ``pwritev`` their pages one call each into a new file of their own,
+    to write them again (space already allocated), and to ``preadv`` them back into the same pages:
+    the store's bytes, from and into the pool's own memory, with nothing else done."""
+    k = max(1, min(threads, len(pages)))
+    cuts = [j * len(pages) // k for j in range(k + 1)]
+    shares = [pages[a:b] for a, b in itertools.pairwise(cuts)]
+    paths = [root / f"ceiling-{secrets.token_hex(4)}-{i}" for i in range(k)]
 
     def run(write: bool) -> float:
-        barrier = threading.Barrier(threads + 1)
+        barrier = threading.Barrier(k + 1)
 
         def one(i: int) -> None:
             fd = os.open(paths[i], os.O_RDWR | os.O_CREAT, 0o600)
             try:
+                views = [b.view() for b in shares[i]]
                 barrier.wait()
-                view = memoryview(bufs[i])
-                for off in range(0, per, call_bytes):
+                off = 0
+                for view in views:
                     (os.pwritev if write else os.preadv)(fd, [view], off)
+                    off += view.nbytes
             finally:
                 os.close(fd)
 
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(threads)]
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(k)]
         for t in ts:
             t.start()
         barrier.wait()
@@ -263,12 +273,14 @@ def _run(
         h2d()
         report.seconds["h2d"] = _timed(h2d, sync)
         report.nbytes["h2d"] = t_bytes + d_bytes
-        reader.close()
         threads = ceiling_threads or min(16, os.cpu_count() or 1)
-        w, rw, r = _ceiling(store_root, t_bytes + d_bytes, tpage, threads)
-        moved = -(-(t_bytes + d_bytes) // threads // tpage) * tpage * threads
+        # the restored pages (the same bytes as stored), target and draft interleaved as stored
+        parts = ((back_t, tpage), (back_d, dpage))
+        pages_mem = [Buffer(t.data_ptr() + i * n, n, t) for i in range(pages) for t, n in parts]
+        w, rw, r = _ceiling(store_root, pages_mem, threads)
+        reader.close()
         for step, secs in (("ceiling write", w), ("ceiling rewrite", rw), ("ceiling read", r)):
-            report.seconds[step], report.nbytes[step] = secs, moved
+            report.seconds[step], report.nbytes[step] = secs, t_bytes + d_bytes
         return report
     finally:
         if tmp is not None:

@@ -704,6 +704,105 @@ static PyObject *read_check(PyObject *self, PyObject *args) {
     return res;
 }
 
+/* ---- pages with headers ------------------------------------------------------------------- */
+
+/* The fields of slotted (frozen) dataclass instances are set through their member descriptors'
+   own setters, as object.__setattr__ does, without running the generated __init__ (a Python-level
+   setattr per field): the Store hands a backend every page of a call anew, each with its header
+   buffer, and that construction was the largest per-page cost left in a call. */
+
+typedef struct {
+    descrgetfunc get;
+    descrsetfunc set;
+    PyObject *desc;
+} field_ref;
+
+static int fields_load(PyObject *seq, field_ref *out, Py_ssize_t n) {
+    if (!PyTuple_Check(seq) || PyTuple_Size(seq) != n) {
+        PyErr_Format(PyExc_TypeError, "expected a tuple of %zd member descriptors", n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyTuple_GetItem(seq, i);
+        out[i].desc = d;
+        out[i].get = (descrgetfunc)PyType_GetSlot(Py_TYPE(d), Py_tp_descr_get);
+        out[i].set = (descrsetfunc)PyType_GetSlot(Py_TYPE(d), Py_tp_descr_set);
+        if (out[i].get == NULL || out[i].set == NULL) {
+            PyErr_SetString(PyExc_TypeError, "a field is not a data descriptor");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *new_of(PyObject *type) {
+    allocfunc alloc = (allocfunc)PyType_GetSlot((PyTypeObject *)type, Py_tp_alloc);
+    if (alloc == NULL) {
+        PyErr_SetString(PyExc_TypeError, "type without tp_alloc");
+        return NULL;
+    }
+    return alloc((PyTypeObject *)type, 0);
+}
+
+/* with_headers(pages, base, owner, page_type, page_fields, buffer_type, buffer_fields) -> list:
+   for each page, a new page_type instance with the same first len(page_fields)-1 fields and, as
+   its last field, a new buffer_type (ptr=base + HEADER_SIZE*i, nbytes=HEADER_SIZE, owner). */
+static PyObject *with_headers(PyObject *self, PyObject *args) {
+    PyObject *pages, *owner, *page_type, *page_fields, *buffer_type, *buffer_fields;
+    unsigned long long base;
+    if (!PyArg_ParseTuple(args, "OKOOOOO", &pages, &base, &owner, &page_type, &page_fields, &buffer_type,
+                          &buffer_fields))
+        return NULL;
+    if (!PyType_Check(page_type) || !PyType_Check(buffer_type)) {
+        PyErr_SetString(PyExc_TypeError, "page_type and buffer_type must be types");
+        return NULL;
+    }
+    field_ref pf[8], bf[3];
+    Py_ssize_t npf = PyTuple_Check(page_fields) ? PyTuple_Size(page_fields) : -1;
+    if (npf < 2 || npf > 8) {
+        PyErr_SetString(PyExc_TypeError, "page_fields: a tuple of 2 to 8 member descriptors");
+        return NULL;
+    }
+    if (fields_load(page_fields, pf, npf) < 0 || fields_load(buffer_fields, bf, 3) < 0) return NULL;
+    PyObject *seq = PySequence_Tuple(pages);
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PyTuple_Size(seq);
+    PyObject *out = PyList_New(n);
+    PyObject *hsize = PyLong_FromLong(HEADER_SIZE);
+    if (out == NULL || hsize == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *src = PyTuple_GetItem(seq, i); /* borrowed */
+        PyObject *page = new_of(page_type);
+        if (page == NULL) goto fail;
+        PyList_SetItem(out, i, page); /* steals: owned by the list from here */
+        for (Py_ssize_t f = 0; f < npf - 1; f++) {
+            PyObject *v = pf[f].get(pf[f].desc, src, NULL);
+            if (v == NULL) goto fail;
+            int rc = pf[f].set(pf[f].desc, page, v);
+            Py_DECREF(v);
+            if (rc < 0) goto fail;
+        }
+        PyObject *head = new_of(buffer_type);
+        if (head == NULL) goto fail;
+        PyObject *ptr = PyLong_FromUnsignedLongLong(base + (unsigned long long)HEADER_SIZE * (unsigned long long)i);
+        int rc = ptr == NULL ? -1 : bf[0].set(bf[0].desc, head, ptr);
+        Py_XDECREF(ptr);
+        if (rc == 0) rc = bf[1].set(bf[1].desc, head, hsize);
+        if (rc == 0) rc = bf[2].set(bf[2].desc, head, owner);
+        if (rc == 0) rc = pf[npf - 1].set(pf[npf - 1].desc, page, head);
+        Py_DECREF(head);
+        if (rc < 0) goto fail;
+    }
+    Py_DECREF(hsize);
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_XDECREF(hsize);
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 /* ---- module ------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -717,6 +816,9 @@ static PyMethodDef methods[] = {
      "fail): stored pages read back to back and verified as they land."},
     {"read_into", read_into, METH_VARARGS,
      "read_into(fd, offset, buffers) -> bytes read (fewer only at end of file)."},
+    {"with_headers", with_headers, METH_VARARGS,
+     "with_headers(pages, base, owner, page_type, page_fields, buffer_type, buffer_fields) -> new pages, "
+     "each with a HEADER_SIZE-byte header buffer at base + HEADER_SIZE * i."},
     {"write_from", write_from, METH_VARARGS,
      "write_from(fd, offset, buffers, chunk, deadline) -> bytes written; calls end on chunk multiples."},
     {NULL, NULL, 0, NULL},

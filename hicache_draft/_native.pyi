@@ -15,5 +15,9 @@ def read_check(
     fd: int, offset: int, pages: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes],
     chunk: int,
 ) -> tuple[int, list[int]]: ...
+def with_headers(
+    pages: Sequence[object], base: int, owner: object, page_type: type, page_fields: tuple[object, ...],
+    buffer_type: type, buffer_fields: tuple[object, ...],
+) -> list[object]: ...
 
 XXH3_ISA: str

@@ -21,6 +21,7 @@ bytes that no longer match the header made before the call, so every later read 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -468,16 +469,23 @@ def attach_headers(
             for sh in shares:
                 pack(sh)
     whole = Buffer.of(block)
-    base = whole.ptr
     out: list[PageTransfer] = []
-    at = base
+    at = whole.ptr
     for t in transfers:
-        pages = []
-        for p in t.pages:
-            pages.append(Page(p.key, p.group, p.namespace, p.buffers, Buffer(at, HEADER_SIZE, whole)))
-            at += HEADER_SIZE
+        try:  # built in compiled code (about 0.1 us a page, not 1)
+            pages = _native.with_headers(t.pages, at, whole, Page, _PAGE_FIELDS, Buffer, _BUFFER_FIELDS)
+        except TypeError:  # objects that only look like pages
+            pages = [Page(p.key, p.group, p.namespace, p.buffers, Buffer(at + HEADER_SIZE * j, HEADER_SIZE, whole))
+                     for j, p in enumerate(t.pages)]
+        at += HEADER_SIZE * len(pages)
         out.append(PageTransfer(t.pool, pages, t.zero_copy))
     return out
+
+
+# The fields of Page (the header last) and Buffer, as with_headers sets them on new instances.
+_PAGE_FIELDS = tuple(vars(Page)[f.name] for f in dataclasses.fields(Page))
+_BUFFER_FIELDS = tuple(vars(Buffer)[f.name] for f in dataclasses.fields(Buffer))
+assert [f.name for f in dataclasses.fields(Page)][-1] == "header" and len(_BUFFER_FIELDS) == 3
 
 
 class _EarlyVerifier:

@@ -348,7 +348,7 @@ static int batch_load(batch *b, PyObject *items, PyObject *codes, PyObject *fall
                 PyErr_SetString(PyExc_ValueError, "page without a header");
                 bad = 1;
             } else {
-                bad = spans_add(&b->heads, head, 0) < 0;
+                bad = spans_add(&b->heads, head, with_header > 1) < 0; /* 2: written into */
                 if (!bad && b->heads.iov[b->heads.n - 1].iov_len < HEADER_SIZE) {
                     PyErr_SetString(PyExc_ValueError, "page header shorter than 64 bytes");
                     bad = 1;
@@ -565,6 +565,150 @@ static PyObject *write_from(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(total);
 }
 
+/* ---- writing pages, their headers made as they go ------------------------------------------ */
+
+/* Write `n` spans from file offset *offset in calls that end on multiples of `chunk` (IOV_MAX
+ * spans at most), as write_from does; *offset advances. 0, an errno, or -1 past the deadline. */
+static int write_spans(int fd, long long *offset, struct iovec *iov, Py_ssize_t n, long long chunk, double deadline,
+                       struct iovec *call) {
+    Py_ssize_t i = 0;
+    while (i < n && iov[i].iov_len == 0) i++;
+    while (i < n) {
+        if (isfinite(deadline) && monotonic_now() > deadline) return -1;
+        size_t room = (size_t)(chunk - *offset % chunk);
+        int cnt = 0;
+        size_t want = 0;
+        for (Py_ssize_t k = i; k < n && cnt < IOV_MAX && want < room; k++) {
+            size_t take = iov[k].iov_len;
+            if (take == 0) continue;
+            if (take > room - want) take = room - want;
+            call[cnt].iov_base = iov[k].iov_base;
+            call[cnt].iov_len = take;
+            cnt++;
+            want += take;
+        }
+        ssize_t done = pwritev(fd, call, cnt, (off_t)*offset);
+        if (done < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (done == 0) return EIO;
+        *offset += done;
+        advance(iov, n, &i, (size_t)done);
+        while (i < n && iov[i].iov_len == 0) i++;
+    }
+    return 0;
+}
+
+/* Pages up to this size are hashed whole and then written with their neighbours (a group of at
+ * most this many bytes, still in this core's cache when written); a larger page is hashed and
+ * written piece by piece (each piece ends on a `chunk` multiple of the file) and its header is
+ * written last, in its place before the payload. */
+#define WRITE_GROUP_BYTES (1u << 20)
+
+/* write_records(fd, offset, pages, codes, namespace_bytes, chunk, deadline) -> bytes written
+ *
+ * Store `pages` back to back from `offset` in the core's page format (each its 64-byte header,
+ * then its payload), making each page's header from the bytes as they are written (one pass over
+ * the memory) and putting it into the page's `header` buffer too. Past `deadline` no further
+ * byte of any page is read or written: TimeoutError. The GIL is released throughout. */
+static PyObject *write_records(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset, chunk;
+    double deadline;
+    PyObject *items, *codes, *fallback;
+    if (!PyArg_ParseTuple(args, "iLOOOLd:write_records", &fd, &offset, &items, &codes, &fallback, &chunk, &deadline))
+        return NULL;
+    if (offset < 0 || chunk <= 0) return PyErr_Format(PyExc_ValueError, "negative offset or non-positive chunk");
+    batch b;
+    if (batch_load(&b, items, codes, fallback, 2) < 0) {
+        batch_free(&b);
+        return NULL;
+    }
+    struct iovec *call = malloc(sizeof(struct iovec) * IOV_MAX);
+    struct iovec *grp = malloc(sizeof(struct iovec) * (size_t)(b.n + b.payload.n + 1));
+    XXH3_state_t *st = XXH3_createState();
+    if (call == NULL || grp == NULL || st == NULL) {
+        free(call);
+        free(grp);
+        XXH3_freeState(st);
+        batch_free(&b);
+        return PyErr_NoMemory();
+    }
+    long long start = offset;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t i = 0;
+    while (i < b.n && !err) {
+        page_job *j = &b.jobs[i];
+        uint64_t len = 0;
+        for (Py_ssize_t k = j->first; k < j->first + j->count; k++) len += b.payload.iov[k].iov_len;
+        if (isfinite(deadline) && monotonic_now() > deadline) {
+            err = -1;
+            break;
+        }
+        if (len > WRITE_GROUP_BYTES) { /* hashed and written piece by piece, header last */
+            long long head_at = offset;
+            long long at = offset + HEADER_SIZE;
+            hash->reset(st);
+            for (Py_ssize_t k = j->first; k < j->first + j->count && !err; k++) {
+                unsigned char *p = b.payload.iov[k].iov_base;
+                size_t left = b.payload.iov[k].iov_len;
+                while (left > 0 && !err) {
+                    size_t take = (size_t)(chunk - at % chunk);
+                    if (take > left) take = left;
+                    hash->update(st, p, take);
+                    struct iovec one = {p, take};
+                    err = write_spans(fd, &at, &one, 1, chunk, deadline, call);
+                    p += take;
+                    left -= take;
+                }
+            }
+            if (err) break;
+            make_header_of(j, len, hash->digest(st), j->header);
+            struct iovec h = {j->header, HEADER_SIZE};
+            err = write_spans(fd, &head_at, &h, 1, chunk, deadline, call);
+            offset = at;
+            i++;
+            continue;
+        }
+        /* a group of small pages: each hashed whole, then all written with their headers */
+        Py_ssize_t g = 0, e = i;
+        uint64_t group = 0;
+        while (e < b.n) {
+            page_job *q = &b.jobs[e];
+            uint64_t ql = 0;
+            for (Py_ssize_t k = q->first; k < q->first + q->count; k++) ql += b.payload.iov[k].iov_len;
+            if (e > i && (ql > WRITE_GROUP_BYTES || group + ql + HEADER_SIZE > WRITE_GROUP_BYTES)) break;
+            make_header_of(q, ql, hash->spans(b.payload.iov + q->first, (long)q->count), q->header);
+            grp[g++] = (struct iovec){q->header, HEADER_SIZE};
+            for (Py_ssize_t k = q->first; k < q->first + q->count; k++) grp[g++] = b.payload.iov[k];
+            group += ql + HEADER_SIZE;
+            e++;
+        }
+        err = write_spans(fd, &offset, grp, g, chunk, deadline, call);
+        i = e;
+    }
+    Py_END_ALLOW_THREADS
+    XXH3_freeState(st);
+    free(call);
+    free(grp);
+    batch_free(&b);
+    if (err > 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (err < 0) {
+        PyObject *exc_args = Py_BuildValue("(is)", ETIMEDOUT, "write ran past its deadline");
+        if (exc_args != NULL) {
+            PyErr_SetObject(PyExc_TimeoutError, exc_args);
+            Py_DECREF(exc_args);
+        }
+        return NULL;
+    }
+    return PyLong_FromLongLong(offset - start);
+}
+
 /* ---- reading stored pages, verified as they land -------------------------------------------- */
 
 /* One piece of the byte stream of stored pages: a page's header or a part of its payload. */
@@ -590,7 +734,7 @@ static PyObject *read_check(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iLOOOL:read_check", &fd, &offset, &items, &codes, &fallback, &chunk)) return NULL;
     if (offset < 0 || chunk <= 0) return PyErr_Format(PyExc_ValueError, "negative offset or non-positive chunk");
     batch b;
-    if (batch_load(&b, items, codes, fallback, 1) < 0) {
+    if (batch_load(&b, items, codes, fallback, 2) < 0) {
         batch_free(&b);
         return NULL;
     }
@@ -819,6 +963,9 @@ static PyMethodDef methods[] = {
     {"with_headers", with_headers, METH_VARARGS,
      "with_headers(pages, base, owner, page_type, page_fields, buffer_type, buffer_fields) -> new pages, "
      "each with a HEADER_SIZE-byte header buffer at base + HEADER_SIZE * i."},
+    {"write_records", write_records, METH_VARARGS,
+     "write_records(fd, offset, pages, codes, namespace_bytes, chunk, deadline) -> bytes written: pages stored "
+     "back to back in the core's page format, each header made from the bytes as they are written."},
     {"write_from", write_from, METH_VARARGS,
      "write_from(fd, offset, buffers, chunk, deadline) -> bytes written; calls end on chunk multiples."},
     {NULL, NULL, 0, NULL},

@@ -119,6 +119,11 @@ class Capabilities(BaseModel):
     ``persistent``: its data survives a restart of the serving process.
     ``shared``: several processes (TP ranks, servers) may use one store at once. Off unless
     declared: claiming it is the backend's promise, not a default.
+    ``writes_records``: it stores pages as the core's records in files (each page's 64-byte header,
+    then its payload) and writes every page of a ``page_set`` through the core's ``write_records``,
+    which makes each header from the bytes as it writes them (one pass over the memory). The
+    ``Store`` then hands it zeroed headers instead of making them before the call; a page reported
+    ``OK`` that was not written that way keeps a zero header, which never verifies.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -127,6 +132,7 @@ class Capabilities(BaseModel):
     split_heads: bool = False
     persistent: bool = False
     shared: bool = False
+    writes_records: bool = False
 
     @field_validator("pools")
     @classmethod
@@ -162,4 +168,5 @@ class Capabilities(BaseModel):
             "split_heads": self.split_heads,
             "persistent": self.persistent,
             "shared": self.shared,
+            "writes_records": self.writes_records,
         }

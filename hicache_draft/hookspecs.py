@@ -52,13 +52,26 @@ def register_pool(registration: PoolRegistration) -> None:
 
 
 @hookspec(firstresult=True)
-def page_set(transfers: Sequence[PageTransfer], deadline: float) -> Mapping[str, Sequence[PageResult]]:
+def page_set(
+    transfers: Sequence[PageTransfer],
+    deadline: float,
+    write_records: Callable[[int, int, Sequence[tuple[str, int]], int], int],
+) -> Mapping[str, Sequence[PageResult]]:
     """Store pages. ``transfers`` holds one :class:`PageTransfer` per pool (target and draft of
     one backup come in one call). Read each page's bytes from its buffers.
 
     Return, for every pool in ``transfers``, one result per page: ``OK`` when the page and its
     ``header`` are stored (or were already stored: equal keys mean equal bytes, so skipping is
     fine) or ``FAILED``. The buffers are only valid until the call returns or its deadline passes.
+
+    ``write_records(fd, offset, pages, chunk)`` (``pages``: ``(pool, index)`` pairs; given when the
+    backend declares ``Capabilities.writes_records``, and then the pages' headers are zeroed): the
+    core writes those pages to ``fd`` from ``offset`` back to back in its page format (each page's
+    64-byte header, then its payload), in calls that end on multiples of ``chunk`` in the file,
+    making each header from the bytes as they go out (in the CPU cache: one pass over the memory)
+    and putting it into ``page.header`` as well, without the GIL. It returns the bytes written,
+    raises ``OSError`` as a write would, ``TimeoutError`` at the call's deadline (nothing more is
+    read or written) and ``RuntimeError`` once the call has been abandoned.
     """
 
 

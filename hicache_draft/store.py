@@ -222,15 +222,26 @@ class Store:
         if not any(t.pages for t in transfers):
             return "ok", {t.pool: [] for t in transfers}, _DONE
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
-        transfers = attach_headers(transfers, made=hook == "page_set", executor=self._verifiers())
+        # a backend that writes through write_records gets zeroed headers: the core makes each
+        # one while writing the page (one pass over its memory), not before the call
+        writes = hook == "page_set" and self.capabilities.writes_records
+        transfers = attach_headers(transfers, made=hook == "page_set" and not writes, executor=self._verifiers())
         out = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         kwargs: dict[str, Any] = {"transfers": transfers, "deadline": deadline}
         early: _EarlyVerifier | None = None
+        writer: _RecordWriter | None = None
         if hook == "page_get":
             early = _EarlyVerifier(self, transfers)
             kwargs["finished"] = early.finished
             kwargs["read_records"] = early.read_records
+        elif writes:
+            writer = _RecordWriter(transfers, deadline)
+            kwargs["write_records"] = writer.write_records
+        else:
+            kwargs["write_records"] = None  # every spec argument is passed (pluggy warns otherwise)
         status, value, fut = self._call(hook, kwargs, deadline)
+        if writer is not None:
+            writer.close()  # returned or abandoned: no further write reads the call's memory
         got = self._results(hook, status, value, transfers)
         if got is None:
             if early is not None:
@@ -486,6 +497,44 @@ def attach_headers(
 _PAGE_FIELDS = tuple(vars(Page)[f.name] for f in dataclasses.fields(Page))
 _BUFFER_FIELDS = tuple(vars(Buffer)[f.name] for f in dataclasses.fields(Buffer))
 assert [f.name for f in dataclasses.fields(Page)][-1] == "header" and len(_BUFFER_FIELDS) == 3
+
+
+class _RecordWriter:
+    """The core's ``write_records`` for one ``page_set`` (backends that declare
+    ``writes_records``): it writes pages of the call to the backend's file in the core's page
+    format, making each header from the bytes as they go out, until the call returns or is
+    abandoned; the deadline is the call's."""
+
+    def __init__(self, transfers: Sequence[PageTransfer], deadline: float) -> None:
+        self.pages = {t.pool: t.pages for t in transfers}
+        self.codes = {t.pool: pool_code(t.pool) for t in transfers}
+        self.deadline = deadline
+        self.lock = threading.Lock()
+        self.open = True
+
+    def write_records(self, fd: int, offset: int, pages: Sequence[tuple[str, int]], chunk: int) -> int:
+        """Write ``pages`` (``(pool, index)`` in their transfers) back to back from ``offset`` of
+        ``fd``, each its 64-byte header then its payload, in calls that end on multiples of
+        ``chunk`` in the file; each header is made from the bytes as they are written and put into
+        the page's ``header`` too. Returns the bytes written. A page may be written again (a
+        backend that retries). Raises once the call has returned or was abandoned, ``TimeoutError``
+        at its deadline (nothing more read or written) and ``OSError`` as a write does."""
+        todo: list[Page] = []
+        codes = bytearray()
+        with self.lock:
+            if not self.open:
+                raise RuntimeError("write_records after the page_set call ended or was abandoned")
+            for pool, i in pages:
+                got = self.pages.get(pool)
+                if got is None or not isinstance(i, int) or not 0 <= i < len(got):
+                    raise ValueError(f"write_records: no page {i!r} of pool {pool!r} in this call")
+                todo.append(got[i])
+                codes.append(self.codes[pool])
+        return _native.write_records(fd, offset, todo, bytes(codes), namespace_bytes, chunk, self.deadline)
+
+    def close(self) -> None:
+        with self.lock:
+            self.open = False
 
 
 class _EarlyVerifier:

@@ -151,6 +151,7 @@ _POOL_CAP = PoolCapability(
 _Item = tuple[int, int, str, int, Page]
 _Finished = Callable[[str, Iterable[int]], None]
 _ReadRecords = Callable[[int, int, Sequence[tuple[str, int]]], int]
+_WriteRecords = Callable[[int, int, Sequence[tuple[str, int]], int], int]
 
 
 def _not_told(pool: str, indices: Iterable[int]) -> None:
@@ -209,6 +210,7 @@ class FileBackend(StorageBackend):
         split_heads=True,
         persistent=True,
         shared=True,
+        writes_records=True,
     )
     Options: ClassVar[type[FileOptions]] = FileOptions
     default: ClassVar[bool] = True  # the backend used when a config names none
@@ -482,7 +484,9 @@ class FileBackend(StorageBackend):
             self.registrations[registration.pool] = registration
 
     @hookimpl
-    def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[str, list[PageResult]]:
+    def page_set(
+        self, transfers: Sequence[PageTransfer], deadline: float, write_records: _WriteRecords | None = None
+    ) -> dict[str, list[PageResult]]:
         results = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         if not self.writable:
             self._log_once("ro", "file backend: root %s is open read-only; page_set stores nothing", self.root)
@@ -523,7 +527,7 @@ class FileBackend(StorageBackend):
             for batch, size in share:
                 if time.monotonic() > deadline:
                     self._log_once("set:deadline", "file backend: page_set ran past its deadline; pages failed")
-                elif self._write(batch, size, published, deadline):
+                elif self._write(batch, size, published, deadline, write_records):
                     for pool, i, _page in batch:
                         results[pool][i] = _OK
 
@@ -596,13 +600,14 @@ class FileBackend(StorageBackend):
             yield cur, size
 
     def _write(
-        self, batch: list[tuple[str, int, Page]], size: int, published: list[str], deadline: float
+        self, batch: list[tuple[str, int, Page]], size: int, published: list[str], deadline: float,
+        write_records: _WriteRecords | None = None,
     ) -> bool:
         """Write and publish one segment. A full filesystem (ENOSPC, EDQUOT) with eviction on is
         capacity pressure: evict least recently used groups (never this call's), then retry once."""
         for attempt in (0, 1):
             try:
-                name = self._write_once(batch, deadline)
+                name = self._write_once(batch, deadline, write_records)
             except OSError as exc:
                 if attempt == 0 and exc.errno in _NO_SPACE and self.opts.max_bytes is not None:
                     self._make_room(size, set(published))
@@ -617,12 +622,21 @@ class FileBackend(StorageBackend):
             return True
         return False
 
-    def _write_once(self, batch: list[tuple[str, int, Page]], deadline: float) -> str:
+    def _write_once(
+        self, batch: list[tuple[str, int, Page]], deadline: float, write_records: _WriteRecords | None = None
+    ) -> str:
         with self._lock:
             self._seq += 1
             name = segment_name(self._writer, self._seq)
         items = [(pool, page) for pool, _i, page in batch]
-        ws = write_segment(self.dirs, name, items, self.opts.fsync, deadline=deadline)
+        core = None
+        if write_records is not None and all(page.header is not None for _pool, _i, page in batch):
+            refs = [(pool, i) for pool, i, _page in batch]  # the core writes the records, headers made as they go
+
+            def core(fd: int, chunk: int) -> int:
+                return write_records(fd, 0, refs, chunk)
+
+        ws = write_segment(self.dirs, name, items, self.opts.fsync, deadline=deadline, records=core)
 
         fname = name + SEGMENT_SUFFIX
         try:

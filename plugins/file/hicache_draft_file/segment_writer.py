@@ -6,10 +6,11 @@ the caller's, under the shared root lock."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,7 @@ def write_segment(
     fsync: bool,
     chunk: int = WRITE_CHUNK,
     deadline: float = float("inf"),
+    records: Callable[[int, int], int] | None = None,
 ) -> WrittenSegment:
     """Write ``items`` as segment ``name`` into ``tmp/``. On any error the file is removed and
     the error raised (nothing published, nothing already stored touched).
@@ -90,7 +92,9 @@ def write_segment(
     kernel caches the file in large folios. A page that carries the core's header (made before the
     call from the bytes handed over) is stored with it as is; pages without one (direct hook
     calls) get theirs made here. Past ``deadline`` no further call is made: the write fails with
-    :class:`TimeoutError` and the page buffers are not read any more.
+    :class:`TimeoutError` and the page buffers are not read any more. ``records(fd, chunk)``: the
+    core's ``write_records`` for these pages (their headers zeroed, made by it as it writes them
+    from offset 0; it returns the bytes written), used instead of writing the records here.
     """
     tmp, fd, old_size, recycled = claim_file(dirs, name)
     try:
@@ -100,7 +104,12 @@ def write_segment(
         index.size = end
         if old_size < end:
             preallocate(fd, end)
-        write_from(fd, 0, _record_buffers(items), chunk=chunk, deadline=deadline)
+        if records is not None:
+            wrote = records(fd, chunk)
+            if wrote != index.data_end:
+                raise OSError(errno.EIO, f"the core wrote {wrote} bytes of records, the index says {index.data_end}")
+        else:
+            write_from(fd, 0, _record_buffers(items), chunk=chunk, deadline=deadline)
         write_from(fd, index.data_end, [footer])
         if old_size > end:
             os.ftruncate(fd, end)

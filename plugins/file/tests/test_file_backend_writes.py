@@ -190,3 +190,42 @@ def test_record_writes_are_whole_aligned_chunks(tmp_path: Path, sizes: list[int]
     os.close(ws.fd)
     assert made == -(-ws.index.data_end // chunk) + 1
     assert ws.tmp_path.read_bytes() == _expected(items)
+
+
+def test_a_store_has_the_core_write_every_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behind a Store (the backend declares ``writes_records``) the headers arrive zeroed and the
+    core writes the records, making each header as it goes: one pass over the pages' memory. The
+    segment still holds exactly the records ``make_header`` describes, and they read back."""
+    import hicache_draft.store as store_mod
+    from hicache_draft import PageTransfer, Store
+
+    calls: list[int] = []
+    real = store_mod._native.write_records
+
+    def spy(fd, offset, pages, *rest):  # noqa: ANN001, ANN002
+        calls.append(len(pages))
+        assert all(not any(p.header.view()) for p in pages)
+        return real(fd, offset, pages, *rest)
+
+    monkeypatch.setattr(store_mod._native, "write_records", spy)
+    store = Store.open("file", {"root": str(tmp_path / "root"), "io_threads": 1})
+    try:
+        assert store.capabilities.writes_records
+        items, _keep = _pages([5000, (1 << 20) + 5, 70_000], split=True)
+        items = [(PoolKind.KV, p) for _pool, p in items]
+        res = store.page_set([PageTransfer(PoolKind.KV, [p for _pool, p in items])])
+        assert res[PoolKind.KV] == [PageResult.OK] * 3 and calls == [3]
+        seg = next(p for p in (tmp_path / "root").rglob("*") if p.is_file() and p.suffix == ".seg")
+        fd = os.open(seg, os.O_RDONLY)
+        try:
+            index = read_index(fd)
+        finally:
+            os.close(fd)
+        assert seg.read_bytes()[: index.data_end] == _expected(items)[: index.data_end]
+        out = [Page(p.key, p.group, p.namespace, (Buffer.of(bytearray(p.nbytes)),)) for _pool, p in items]
+        got, _ = store.page_get([PageTransfer(PoolKind.KV, out)])
+        assert got[PoolKind.KV] == [PageResult.OK] * 3
+        assert [bytes(o.buffers[0].view()) for o in out] == [b"".join(bytes(b.view()) for b in p.buffers)
+                                                             for _pool, p in items]
+    finally:
+        store.close()

@@ -129,6 +129,15 @@ def validate_backend_class(name: str, cls: object) -> Capabilities:
     missing = set(required) - impls
     if missing:
         raise PluginError(f"backend {name!r}: does not implement required hook(s) {', '.join(sorted(missing))}")
+    for hook in pm.hook.__dict__.values():
+        for impl in hook.get_hookimpls() if isinstance(hook, pluggy.HookCaller) else ():
+            defaulted = [a for a in impl.kwargnames if a != "self"]
+            if defaulted:  # pluggy before 1.6 never passes them: the hook would silently go without
+                raise PluginError(
+                    f"backend {name!r}: hook {hook.name} gives argument(s) {', '.join(defaulted)} a default; pluggy "
+                    "passes an argument with a default to a hook implementation only from version 1.6 on, so "
+                    "declare every argument you take without one (and take only those you use)"
+                )
     return caps
 
 

@@ -550,7 +550,8 @@ class _EarlyVerifier:
     def __init__(self, store: Store, transfers: Sequence[PageTransfer]) -> None:
         self.store = store
         self.pages = {t.pool: t.pages for t in transfers}
-        self.started: dict[tuple[str, int], Future[list[Any]]] = {}
+        # per pool, per page: the check that started early (None: not started)
+        self.started: dict[str, list[Future[list[Any]] | None]] = {t.pool: [None] * len(t.pages) for t in transfers}
         self.lock = threading.Lock()
         self.open = True
 
@@ -561,18 +562,18 @@ class _EarlyVerifier:
         pages = self.pages.get(pool)
         if pages is None:
             return
+        slots = self.started[pool]
         todo = []
+        fut: Future[list[Any]] = Future()
         with self.lock:
             if not self.open:
                 return
             for i in indices:
-                if isinstance(i, int) and 0 <= i < len(pages) and (pool, i) not in self.started:
+                if isinstance(i, int) and 0 <= i < len(pages) and slots[i] is None:
+                    slots[i] = fut
                     todo.append((pool, i, pages[i]))
             if not todo:
                 return
-            fut: Future[list[Any]] = Future()
-            for _, i, _ in todo:
-                self.started[(pool, i)] = fut
         try:
             fut.set_result(_problems(todo))
         except BaseException as exc:  # a check that did not finish is redone after the call
@@ -592,17 +593,18 @@ class _EarlyVerifier:
         with self.lock:
             if not self.open:
                 raise RuntimeError("read_records after the page_get call ended or was abandoned")
-            seen = set()
-            for pool, i in pages:
-                got = self.pages.get(pool)
-                if got is None or not isinstance(i, int) or not 0 <= i < len(got):
-                    raise ValueError(f"read_records: no page {i!r} of pool {pool!r} in this call")
-                if (pool, i) in self.started or (pool, i) in seen:
-                    raise ValueError(f"read_records: page {i} of pool {pool!r} was already read or announced")
-                seen.add((pool, i))
-                todo.append((pool, i, got[i]))
-            for pool, i, _page in todo:
-                self.started[(pool, i)] = fut
+            try:
+                for pool, i in pages:
+                    got, slots = self.pages.get(pool), self.started.get(pool)
+                    if got is None or slots is None or not isinstance(i, int) or not 0 <= i < len(got):
+                        raise ValueError(f"read_records: no page {i!r} of pool {pool!r} in this call")
+                    if slots[i] is not None:
+                        raise ValueError(f"read_records: page {i} of pool {pool!r} was already read or announced")
+                    slots[i] = fut
+                    todo.append((pool, i, got[i]))
+            except BaseException:
+                self._unmark(todo)
+                raise
         try:
             nread, failed = _native.read_check(
                 fd, offset, [p for _pool, _i, p in todo], bytes(pool_code(pool) for pool, _i, _p in todo),
@@ -610,12 +612,15 @@ class _EarlyVerifier:
             )
         except BaseException as exc:  # nothing read counts: checked again after the call, if reported OK
             with self.lock:
-                for pool, i, _page in todo:
-                    del self.started[(pool, i)]
+                self._unmark(todo)
             fut.set_exception(exc)
             raise
         fut.set_result(_named([todo[j] for j in failed]))
         return nread
+
+    def _unmark(self, todo: Sequence[tuple[str, int, Page]]) -> None:
+        for pool, i, _page in todo:
+            self.started[pool][i] = None
 
     def abandon(self) -> None:
         with self.lock:
@@ -625,27 +630,26 @@ class _EarlyVerifier:
         """Verify what was not verified early and mark every failure ``CORRUPT`` in ``out``."""
         with self.lock:
             self.open = False
-            started = dict(self.started)
         later: list[tuple[str, int, Page]] = []
         problems_early: list[tuple[str, int, Page, PageFormatError]] = []
         early: dict[int, Future[list[Any]]] = {}
+        ok = PageResult.OK
         for pool, pages in self.pages.items():
-            for i, page in enumerate(pages):
-                if out[pool][i] is not PageResult.OK:
+            for i, (r, fut) in enumerate(zip(out[pool], self.started[pool], strict=True)):
+                if r is not ok:
                     continue
-                fut = started.get((pool, i))
                 if fut is None:
-                    later.append((pool, i, page))
+                    later.append((pool, i, pages[i]))
                 else:
                     early[id(fut)] = fut
         for fut in early.values():
             try:
                 found = fut.result()
             except Exception:  # noqa: BLE001 - a check that did not finish is done again here
-                later.extend((pool, i, self.pages[pool][i]) for (pool, i), f in started.items()
-                             if f is fut and out[pool][i] is PageResult.OK)
+                later.extend((pool, i, self.pages[pool][i]) for pool, slots in self.started.items()
+                             for i, f in enumerate(slots) if f is fut and out[pool][i] is ok)
                 continue
-            problems_early.extend(p for p in found if out[p[0]][p[1]] is PageResult.OK)
+            problems_early.extend(p for p in found if out[p[0]][p[1]] is ok)
         self.store._mark([*problems_early, *(self.store._check(later) if later else [])], out)
 
 

@@ -410,3 +410,19 @@ def test_every_hook_is_documented_in_the_readme_with_its_arguments():
         for m in re.finditer(r"^\| `(\w+)\(([^)]*)\)` \|", table, flags=re.M)
     }
     assert documented == specs
+
+
+def test_a_hook_argument_with_a_default_is_refused_at_registration() -> None:
+    """pluggy passes an argument that has a default to a hook implementation only from 1.6 on: on
+    older releases such a hook silently runs without it (the file backend's read_records and
+    write_records were never passed on the GPU host's pluggy). Registration refuses it, naming it."""
+
+    class Defaulted(MemoryBackend):
+        @hookimpl
+        def page_get(self, transfers, deadline, finished=None):  # noqa: ANN001, ANN201
+            return super().page_get(transfers)
+
+    with pytest.raises(PluginError, match=r"hook page_get gives argument\(s\) finished a default"):
+        register_backend("defaulted", Defaulted)
+    for name in ("file", "mooncake", "hf3fs", "sqlite"):  # the installed backends pass
+        assert get_backend(name).ok

@@ -483,7 +483,21 @@ class FileBackend(StorageBackend):
         with self._lock:
             self.registrations[registration.pool] = registration
 
-    @hookimpl
+    # The hooks take every argument without a default (pluggy before 1.6 never passes one that has
+    # a default); page_set and page_get below are the same calls for direct use, the extras optional.
+    @hookimpl(specname="page_set")
+    def _page_set_hook(
+        self, transfers: Sequence[PageTransfer], deadline: float, write_records: _WriteRecords | None
+    ) -> dict[str, list[PageResult]]:
+        return self.page_set(transfers, deadline, write_records)
+
+    @hookimpl(specname="page_get")
+    def _page_get_hook(
+        self, transfers: Sequence[PageTransfer], deadline: float, finished: _Finished | None,
+        read_records: _ReadRecords | None,
+    ) -> dict[str, list[PageResult]]:
+        return self.page_get(transfers, deadline, finished, read_records)
+
     def page_set(
         self, transfers: Sequence[PageTransfer], deadline: float, write_records: _WriteRecords | None = None
     ) -> dict[str, list[PageResult]]:
@@ -669,7 +683,6 @@ class FileBackend(StorageBackend):
             self._put_handle(name, ws.fd)
         return name
 
-    @hookimpl
     def page_get(
         self,
         transfers: Sequence[PageTransfer],

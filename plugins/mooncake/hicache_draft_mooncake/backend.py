@@ -582,7 +582,13 @@ class MooncakeBackend(StorageBackend):
             results[job.pool][job.index] = res
             counts["put" if res is OK else "put_failed"] += 1
 
-    @hookimpl
+    @hookimpl(specname="page_get")
+    def _page_get_hook(
+        self, transfers: Sequence[PageTransfer], deadline: float, finished: Finished | None
+    ) -> dict[str, list[PageResult]]:
+        # every argument without a default: pluggy before 1.6 never passes one that has a default
+        return self.page_get(transfers, deadline, finished)
+
     def page_get(
         self, transfers: Sequence[PageTransfer], deadline: float, finished: Finished | None = None
     ) -> dict[str, list[PageResult]]:

@@ -593,10 +593,14 @@ class _EarlyVerifier:
         with self.lock:
             if not self.open:
                 raise RuntimeError("read_records after the page_get call ended or was abandoned")
+            last: object = None
+            got: Sequence[Page] = ()
+            slots: list[Future[list[Any]] | None] = []
             try:
                 for pool, i in pages:
-                    got, slots = self.pages.get(pool), self.started.get(pool)
-                    if got is None or slots is None or not isinstance(i, int) or not 0 <= i < len(got):
+                    if pool is not last:  # a run is mostly of one pool
+                        got, slots, last = self.pages.get(pool, ()), self.started.get(pool, []), pool
+                    if not isinstance(i, int) or not 0 <= i < len(got):
                         raise ValueError(f"read_records: no page {i!r} of pool {pool!r} in this call")
                     if slots[i] is not None:
                         raise ValueError(f"read_records: page {i} of pool {pool!r} was already read or announced")
@@ -605,10 +609,12 @@ class _EarlyVerifier:
             except BaseException:
                 self._unmark(todo)
                 raise
+        pools = {pool for pool, _i, _p in todo}
+        codes: int | bytes = (pool_code(next(iter(pools))) if len(pools) == 1
+                              else bytes(pool_code(pool) for pool, _i, _p in todo))
         try:
             nread, failed = _native.read_check(
-                fd, offset, [p for _pool, _i, p in todo], bytes(pool_code(pool) for pool, _i, _p in todo),
-                namespace_bytes, _RECORD_CHUNK,
+                fd, offset, [p for _pool, _i, p in todo], codes, namespace_bytes, _RECORD_CHUNK,
             )
         except BaseException as exc:  # nothing read counts: checked again after the call, if reported OK
             with self.lock:

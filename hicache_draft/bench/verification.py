@@ -16,9 +16,10 @@ Medians over ``rounds``; the two variants alternate so that drift hits both.
 The same run also times the check alone (``hash``: :func:`~hicache_draft.corrupt_pages` in one
 thread over a piece of the size the core reads and hashes at a time, ``_RECORD_CHUNK``, so that it
 is in this core's cache as in the fused read-and-check; scaled to the pages' bytes) and prints
-``hash / (bare + hash)``: what verifying costs a core that also copies the bytes, the floor of the
-share wherever the cores that read a page also hash it (a read limited by memory bandwidth rather
-than by its cores can hide part of it).
+``(hash / T) / (bare + hash / T)`` with ``T`` the threads the core verifies with (one per CPU, at
+most 16): what verifying costs when the cores that read the pages also hash them, the floor of the
+share (a read limited by memory bandwidth rather than by its cores can hide part of it; a backend
+that reads with fewer threads pays more).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from hicache_draft.buffer_io import read_into
 from hicache_draft.capabilities import PoolKind
 from hicache_draft.keys import make_key
 from hicache_draft.page_format import HEADER_SIZE, corrupt_pages, pack_page_headers
-from hicache_draft.store import _RECORD_CHUNK, Store
+from hicache_draft.store import _RECORD_CHUNK, _VERIFY_WORKERS, Store
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer
 
 
@@ -46,11 +47,13 @@ class VerificationCost:
     store_s: float
     bare_s: float
     hash_s: float = 0.0  # the check alone, one thread, each page in this core's cache
+    threads: int = 1  # the threads the core verifies with
 
     @property
     def floor(self) -> float:
-        """``hash / (bare + hash)``: the share verification costs a core that also copies the bytes."""
-        return self.hash_s / (self.bare_s + self.hash_s) if self.hash_s else 0.0
+        """The share verification costs when ``threads`` cores read and hash the pages."""
+        spread = self.hash_s / self.threads
+        return spread / (self.bare_s + spread) if self.hash_s else 0.0
 
     @property
     def share(self) -> float:
@@ -60,7 +63,8 @@ class VerificationCost:
         gb = self.page_bytes * self.pages / 1e9
         return (f"{self.page_bytes >> 10:>6} KiB x {self.pages:<4} | store {gb / self.store_s:6.2f} GB/s | "
                 f"bare {gb / self.bare_s:6.2f} GB/s | verification {self.share * 100:5.1f}% of page_get | "
-                f"hash alone {gb / self.hash_s:6.2f} GB/s (one thread): floor {self.floor * 100:4.1f}%")
+                f"hash alone {gb / self.hash_s:6.2f} GB/s a thread: floor {self.floor * 100:4.1f}% with {self.threads} "
+                f"thread(s)")
 
 
 def _pages(region: bytearray, groups: list[str], namespace: str, page_bytes: int) -> list[Page]:
@@ -132,6 +136,7 @@ def measure(
                 if corrupt_pages([probe], PoolKind.KV):
                     raise RuntimeError("a page fails its own check")
             timed["hash"].append((time.perf_counter() - t0) * page_bytes * pages / (reps * piece))
-        return VerificationCost(page_bytes, pages, *(statistics.median(timed[k]) for k in ("store", "bare", "hash")))
+        return VerificationCost(page_bytes, pages, *(statistics.median(timed[k]) for k in ("store", "bare", "hash")),
+                                threads=_VERIFY_WORKERS)
     finally:
         store.close()

@@ -127,7 +127,8 @@ def _generic_pages(staging: torch.Tensor, page_bytes: int, keys: list[str]) -> l
 
 def _store(root: Path, **options: object) -> Store:
     """The file backend as the controller uses it: behind a :class:`Store`, which makes every
-    page's header before ``page_set`` and verifies every page after ``page_get``."""
+    page's header (as it writes the records: the backend declares ``writes_records``) and verifies
+    every page after ``page_get``."""
     return Store("file", FileBackend, FileBackend.capabilities, FileOptions(root=root, **options),  # type: ignore[arg-type]
                  BackendContext(timeout_s=600.0))
 
@@ -371,7 +372,7 @@ GATE_WITHIN = 4.0
 
 BASELINE_NOTE = (
     "zero_copy / generic: the file backend behind a Store, as the controller calls it (the core makes every "
-    "header before page_set and verifies every page after page_get), {threads} I/O thread(s); "
+    "header as it writes the records and verifies every page as it reads them), {threads} I/O thread(s); "
     "baseline: one file per page in one thread (create a temp file, pwritev in {chunk} KiB calls, close, rename; "
     "read with one preadv per page into the destination buffers), making and checking the same 64-byte header "
     "with the xxh3_64 payload checksum itself, so both do the same work per byte; ratios are against it; "

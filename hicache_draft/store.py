@@ -281,7 +281,8 @@ class Store:
                 )
                 out[t.pool] = [PageResult.FAILED] * len(t.pages)
                 continue
-            out[t.pool] = [_as_result(r) for r in got]
+            res = list(got)
+            out[t.pool] = res if set(map(type, res)) <= _RESULT_TYPE else [_as_result(r) for r in res]
         return out
 
     def _verifiers(self) -> ThreadPoolExecutor:
@@ -688,6 +689,9 @@ def _named(failed: Sequence[tuple[str, int, Page]]) -> list[tuple[str, int, Page
         else:  # the bytes changed between the two checks (a writer is still at them), or a short read
             bad.append((pool, i, page, PageFormatError(HeaderProblem.PAYLOAD_CHECKSUM, "changed while checked")))
     return bad
+
+
+_RESULT_TYPE = {PageResult}  # results that need no conversion
 
 
 def _as_result(r: object) -> PageResult:

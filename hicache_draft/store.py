@@ -637,12 +637,15 @@ class _EarlyVerifier:
         """Verify what was not verified early and mark every failure ``CORRUPT`` in ``out``."""
         with self.lock:
             self.open = False
+            # as the checks stood when the call ended: a read still failing after it (a backend
+            # that returned too early) unmarks its pages, which must still be checked here
+            started = {pool: list(slots) for pool, slots in self.started.items()}
         later: list[tuple[str, int, Page]] = []
         problems_early: list[tuple[str, int, Page, PageFormatError]] = []
         early: dict[int, Future[list[Any]]] = {}
         ok = PageResult.OK
         for pool, pages in self.pages.items():
-            for i, (r, fut) in enumerate(zip(out[pool], self.started[pool], strict=True)):
+            for i, (r, fut) in enumerate(zip(out[pool], started[pool], strict=True)):
                 if r is not ok:
                     continue
                 if fut is None:
@@ -653,7 +656,7 @@ class _EarlyVerifier:
             try:
                 found = fut.result()
             except Exception:  # noqa: BLE001 - a check that did not finish is done again here
-                later.extend((pool, i, self.pages[pool][i]) for pool, slots in self.started.items()
+                later.extend((pool, i, self.pages[pool][i]) for pool, slots in started.items()
                              for i, f in enumerate(slots) if f is fut and out[pool][i] is ok)
                 continue
             problems_early.extend(p for p in found if out[p[0]][p[1]] is ok)

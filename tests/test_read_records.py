@@ -7,6 +7,7 @@ nothing wrong reported restored, and once a call has been abandoned it writes no
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -194,4 +195,44 @@ def test_a_page_can_be_read_once():
             with pytest.raises(ValueError, match="no page"):
                 early.read_records(f.fileno(), 0, [(KV, 5)])
     finally:
+        store.close()
+
+
+def test_a_read_that_fails_after_the_backend_returned_still_leaves_its_pages_checked(monkeypatch):
+    """A backend that returns OK while one of its threads is still inside ``read_records``, which then
+    fails: those pages were marked as being checked when the call ended, so they are checked after
+    it (zeroed headers fail), never counted restored unverified."""
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_failing_read(*args: object) -> tuple[int, list[int]]:
+        inside.set()
+        release.wait(10)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(store_mod._native, "read_check", slow_failing_read)
+
+    class Early(MemoryBackend):
+        @hookimpl
+        def page_get(self, transfers: Sequence[PageTransfer], read_records) -> dict[str, list[PageResult]]:  # noqa: ANN001
+            t = transfers[0]
+            worker = threading.Thread(target=lambda: _swallow(read_records, [(t.pool, i) for i in range(len(t.pages))]))
+            worker.start()
+            inside.wait(10)
+            threading.Timer(0.3, release.set).start()  # fails once the Store is settling the call
+            return {t.pool: [PageResult.OK] * len(t.pages)}
+
+    def _swallow(read_records, pages) -> None:  # noqa: ANN001
+        with contextlib.suppress(OSError):
+            read_records(-1, 0, pages)
+
+    store = Store("early", Early, Early.capabilities, {"space": os.urandom(4).hex()})
+    try:
+        mem = [bytearray(256) for _ in range(3)]
+        pages = [Page(f"{i:064x}.{NS}", f"{i:064x}", NS, (Buffer.of(m),)) for i, m in enumerate(mem)]
+        got, _ = store.page_get([PageTransfer(KV, pages)])
+        assert got[KV] == [PageResult.CORRUPT] * 3
+    finally:
+        release.set()
         store.close()

@@ -15,6 +15,10 @@ def read_check(
     fd: int, offset: int, pages: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes],
     chunk: int,
 ) -> tuple[int, list[int]]: ...
+def write_records(
+    fd: int, offset: int, pages: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes],
+    chunk: int, deadline: float,
+) -> int: ...
 def with_headers(
     pages: Sequence[object], base: int, owner: object, page_type: type, page_fields: tuple[object, ...],
     buffer_type: type, buffer_fields: tuple[object, ...],

@@ -492,80 +492,15 @@ static PyObject *read_into(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(total);
 }
 
-static PyObject *write_from(PyObject *self, PyObject *args) {
-    int fd;
-    long long offset, chunk;
-    double deadline;
-    PyObject *bufs;
-    if (!PyArg_ParseTuple(args, "iLOLd:write_from", &fd, &offset, &bufs, &chunk, &deadline)) return NULL;
-    if (offset < 0 || chunk <= 0) return PyErr_Format(PyExc_ValueError, "negative offset or non-positive chunk");
-    spans s = {0};
-    if (spans_add_all(&s, bufs, 0) < 0) {
-        spans_free(&s);
-        return NULL;
+/* TimeoutError(ETIMEDOUT, ...): a write stopped at its deadline. */
+static PyObject *raise_late(void) {
+    PyObject *exc_args = Py_BuildValue("(is)", ETIMEDOUT, "write ran past its deadline");
+    if (exc_args != NULL) {
+        PyErr_SetObject(PyExc_TimeoutError, exc_args);
+        Py_DECREF(exc_args);
     }
-    /* calls end on multiples of `chunk` in the file (large page-cache folios), IOV_MAX at most */
-    struct iovec *call = malloc(sizeof(struct iovec) * IOV_MAX);
-    if (call == NULL) {
-        spans_free(&s);
-        return PyErr_NoMemory();
-    }
-    long long total = 0;
-    int err = 0, late = 0;
-    Py_ssize_t i = 0;
-    Py_BEGIN_ALLOW_THREADS
-    while (i < s.n && s.iov[i].iov_len == 0) i++;
-    while (i < s.n) {
-        if (isfinite(deadline) && monotonic_now() > deadline) {
-            late = 1;
-            break;
-        }
-        size_t room = (size_t)(chunk - offset % chunk);
-        int cnt = 0;
-        size_t want = 0;
-        for (Py_ssize_t k = i; k < s.n && cnt < IOV_MAX && want < room; k++) {
-            size_t take = s.iov[k].iov_len;
-            if (take == 0) continue;
-            if (take > room - want) take = room - want;
-            call[cnt].iov_base = s.iov[k].iov_base;
-            call[cnt].iov_len = take;
-            cnt++;
-            want += take;
-        }
-        ssize_t done = pwritev(fd, call, cnt, (off_t)offset);
-        if (done < 0) {
-            if (errno == EINTR) continue;
-            err = errno;
-            break;
-        }
-        if (done == 0) {
-            err = EIO;
-            break;
-        }
-        offset += done;
-        total += done;
-        advance(s.iov, s.n, &i, (size_t)done);
-        while (i < s.n && s.iov[i].iov_len == 0) i++;
-    }
-    Py_END_ALLOW_THREADS
-    free(call);
-    spans_free(&s);
-    if (err) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    if (late) {
-        PyObject *exc_args = Py_BuildValue("(is)", ETIMEDOUT, "write ran past its deadline");
-        if (exc_args != NULL) {
-            PyErr_SetObject(PyExc_TimeoutError, exc_args);
-            Py_DECREF(exc_args);
-        }
-        return NULL;
-    }
-    return PyLong_FromLongLong(total);
+    return NULL;
 }
-
-/* ---- writing pages, their headers made as they go ------------------------------------------ */
 
 /* Write `n` spans from file offset *offset in calls that end on multiples of `chunk` (IOV_MAX
  * spans at most), as write_from does; *offset advances. 0, an errno, or -1 past the deadline. */
@@ -599,6 +534,41 @@ static int write_spans(int fd, long long *offset, struct iovec *iov, Py_ssize_t 
     }
     return 0;
 }
+
+static PyObject *write_from(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset, chunk;
+    double deadline;
+    PyObject *bufs;
+    if (!PyArg_ParseTuple(args, "iLOLd:write_from", &fd, &offset, &bufs, &chunk, &deadline)) return NULL;
+    if (offset < 0 || chunk <= 0) return PyErr_Format(PyExc_ValueError, "negative offset or non-positive chunk");
+    spans s = {0};
+    if (spans_add_all(&s, bufs, 0) < 0) {
+        spans_free(&s);
+        return NULL;
+    }
+    /* calls end on multiples of `chunk` in the file (large page-cache folios), IOV_MAX at most */
+    struct iovec *call = malloc(sizeof(struct iovec) * IOV_MAX);
+    if (call == NULL) {
+        spans_free(&s);
+        return PyErr_NoMemory();
+    }
+    long long start = offset;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = write_spans(fd, &offset, s.iov, s.n, chunk, deadline, call);
+    Py_END_ALLOW_THREADS
+    free(call);
+    spans_free(&s);
+    if (err > 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (err < 0) return raise_late();
+    return PyLong_FromLongLong(offset - start);
+}
+
+/* ---- writing pages, their headers made as they go ------------------------------------------ */
 
 /* Pages up to this size are hashed whole and then written with their neighbours (a group of at
  * most this many bytes, still in this core's cache when written); a larger page is hashed and
@@ -698,14 +668,7 @@ static PyObject *write_records(PyObject *self, PyObject *args) {
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (err < 0) {
-        PyObject *exc_args = Py_BuildValue("(is)", ETIMEDOUT, "write ran past its deadline");
-        if (exc_args != NULL) {
-            PyErr_SetObject(PyExc_TimeoutError, exc_args);
-            Py_DECREF(exc_args);
-        }
-        return NULL;
-    }
+    if (err < 0) return raise_late();
     return PyLong_FromLongLong(offset - start);
 }
 

@@ -21,6 +21,7 @@ from hicache_draft import (
     PageFormatError,
     PoolKind,
     make_header,
+    pack_page_headers,
     parse_header,
     read_into,
     verify_payload,
@@ -138,10 +139,7 @@ class RawBatch:
     def prepare(self, pool: PoolKind, tag: str, pages: Sequence[Page]) -> None:
         """Make the headers of ``pages`` (untimed: the floor moves bytes only)."""
         out = bytearray(HEADER_SIZE * len(pages))
-        for j, page in enumerate(pages):
-            out[j * HEADER_SIZE : (j + 1) * HEADER_SIZE] = make_header(
-                page.key, page.namespace, pool, [b.view() for b in page.buffers]
-            )
+        pack_page_headers(out, pages, pool)
         self._heads[tag] = out
 
     def _iov(self, tag: str, first: int, pages: Sequence[Page]) -> list[memoryview | Buffer]:

@@ -509,24 +509,58 @@ def usable_hit(
     only bound ``draft_pages``. A window that fails moves the candidate before the missing page;
     after ``probes`` failed windows the pool gives 0. ``windows[name]``: a trailing pool's window
     for this query instead of its spec's ``window_pages`` (SGLang says it per call: the transfer's keys)."""
-    window = {b.name: b.spec.window_pages for b in bindings} | dict(windows or {})
+    if len(bindings) == 1 and bindings[0].spec.role is not PoolKind.DRAFT:  # the usual query: the target alone
+        b = bindings[0]
+        if b.spec.hit_policy is HitPolicy.ALL_PAGES:
+            n = max(0, min(limit, prefix.get(b.name, 0))) if b.active else limit
+            return Hit(n, 0, {b.name: n} if b.active else {})
     active = [b for b in bindings if b.active]
-    gating = [b for b in active if draft_gates or b.spec.role is not PoolKind.DRAFT]
+    gating = active if draft_gates else [b for b in active if b.spec.role is not PoolKind.DRAFT]
     draft = [b for b in active if b.spec.role is PoolKind.DRAFT]
+    rule = _Windows(prefix, window_stored, limit, probes, bindings, windows)
+    bounds: dict[str, int] = {}
+    pages = rule.settle(gating, limit, bounds)
+    draft_pages = rule.settle(draft, pages, dict(bounds)) if draft and not draft_gates else (pages if draft else 0)
+    return Hit(pages, draft_pages, bounds)
 
-    def settle(pools: Sequence[PoolBinding], n: int, bounds: dict[str, int]) -> int:
+
+class _Windows:
+    """:func:`usable_hit`'s settling of one candidate over some pools (the window table is built
+    only when a ``trailing_pages`` pool is asked)."""
+
+    __slots__ = ("_bindings", "_window", "_windows", "limit", "prefix", "probes", "window_stored")
+
+    def __init__(
+        self, prefix: Mapping[str, int], window_stored: Callable[[PoolBinding, int], int], limit: int, probes: int,
+        bindings: Sequence[PoolBinding], windows: Mapping[str, int] | None,
+    ) -> None:
+        self.prefix, self.window_stored, self.limit, self.probes = prefix, window_stored, limit, probes
+        self._bindings, self._windows = bindings, windows
+        self._window: dict[str, int] | None = None
+
+    def window(self, b: PoolBinding) -> int:
+        if self._window is None:
+            self._window = {x.name: x.spec.window_pages for x in self._bindings} | dict(self._windows or {})
+        return self._window[b.name]
+
+    def settle(self, pools: Sequence[PoolBinding], n: int, bounds: dict[str, int]) -> int:
+        """The largest candidate <= ``n`` that ``pools`` all hold; their boundaries into ``bounds``."""
+        trailing: list[PoolBinding] = []
         for b in pools:
             if b.spec.hit_policy is HitPolicy.ALL_PAGES:
-                bounds[b.name] = min(limit, prefix.get(b.name, 0))
-                n = min(n, bounds[b.name])
-        trailing = [b for b in pools if b.spec.hit_policy is HitPolicy.TRAILING_PAGES]
-        for _ in range(probes):
+                bounds[b.name] = got = min(self.limit, self.prefix.get(b.name, 0))
+                n = min(n, got)
+            elif b.spec.hit_policy is HitPolicy.TRAILING_PAGES:
+                trailing.append(b)
+        if not trailing:
+            return max(0, n)
+        for _ in range(self.probes):
             before = n
             for b in trailing:
                 if n <= 0:
                     break
-                got = window_stored(b, n)
-                if got < min(window[b.name], n):
+                got = self.window_stored(b, n)
+                if got < min(self.window(b), n):
                     n -= got + 1  # the page before the stored tail is missing: end the window before it
                 bounds[b.name] = max(0, n)
             if n == before or n <= 0:
@@ -536,8 +570,3 @@ def usable_hit(
         for b in trailing:
             bounds[b.name] = max(0, min(bounds.get(b.name, n), n))
         return max(0, n)
-
-    bounds: dict[str, int] = {}
-    pages = settle(gating, limit, bounds)
-    draft_pages = settle(draft, pages, dict(bounds)) if draft and not draft_gates else (pages if draft else 0)
-    return Hit(pages, draft_pages, bounds)

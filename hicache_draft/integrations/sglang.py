@@ -542,20 +542,27 @@ class HiCacheDraftStorage(HiCacheStorage):
             held.append(b)
             if b.spec.hit_policy is HitPolicy.TRAILING_PAGES:  # SGLang's all_pages: the whole prefix
                 windows[b.name] = window if window is not None else len(keys)
-        every = [(b.name, b) for b in held if b.spec.hit_policy is HitPolicy.ALL_PAGES]
-        counts = self.store.page_exists({name: self._hash_keys(b, hashes, False) for name, b in every})
-        prefix = {name: counts.get(name, 0) // b.split for name, b in every}
+        every = [b for b in held if b.spec.hit_policy is HitPolicy.ALL_PAGES] if pools else held
+        counts = self.store.page_exists({b.name: self._hash_keys(b, hashes, False) for b in every})
+        prefix = {b.name: counts.get(b.name, 0) // b.split for b in every}
+        hit = usable_hit(held, prefix, self._window_query(keys, windows), limit=len(keys), windows=windows)
+        if not pools:
+            return hit.pages, hit.boundaries
+        # as SGLang reports them: each pool's boundary within the target's stored prefix
+        kv_pages = hit.boundaries.get(kv.name, 0)
+        bounds = {name: n if n < kv_pages else kv_pages for name, n in hit.boundaries.items()}
+        return (0 if missing else hit.pages), bounds
+
+    def _window_query(self, keys: Sequence[str], windows: dict[str, int]) -> Callable[[PoolBinding, int], int]:
+        """``usable_hit``'s ``window_stored``: one existence query of a trailing pool's window,
+        its last page first."""
 
         def window_stored(b: PoolBinding, end: int) -> int:
             tail = _Hashes(list(keys[max(0, end - windows[b.name]) : end])[::-1])  # last page first
             got = self.store.page_exists({b.name: self._hash_keys(b, tail, False)})
             return got.get(b.name, 0) // b.split
 
-        hit = usable_hit(held, prefix, window_stored, limit=len(keys), windows=windows)
-        # as SGLang reports them: each pool's boundary within the target's stored prefix
-        kv_pages = hit.boundaries.get(kv.name, 0)
-        bounds = {name: n if n < kv_pages else kv_pages for name, n in hit.boundaries.items()}
-        return (0 if missing else hit.pages), bounds
+        return window_stored
 
     @_never_raise(_no_hit)
     def batch_exists_v2(

@@ -29,6 +29,32 @@ def test_verification_bench_reads_back_what_it_stored(tmp_path):
     assert "% of page_get" in cost.row()
 
 
+def test_verification_bench_runs_both_reads_as_the_store_runs_calls(tmp_path, monkeypatch):
+    """The verified and the bare read both run on the store's worker threads: the bounded call's
+    hand-over is paid by both, so the share is the verification's alone (it ran the bare hook in
+    the caller's thread, which counted the hand-over as verification)."""
+    import threading
+
+    from hicache_draft.bench import verification
+    from hicache_draft.hookspecs import hookimpl
+    from hicache_draft.store import Store
+
+    threads: list[str] = []
+
+    class Spy:
+        @hookimpl(wrapper=True)
+        def page_get(self, transfers):
+            threads.append(threading.current_thread().name)
+            return (yield)
+
+    real = Store.open
+    monkeypatch.setattr(verification.Store, "open",
+                        lambda name, options=None, context=None: real(name, options, context, observers=[Spy()]))
+    measure("file", {"root": str(tmp_path / "root")}, page_bytes=16 << 10, pages=4, rounds=2)
+    assert len(threads) == 4, threads
+    assert all(name.startswith("hicache-draft-file") for name in threads), threads
+
+
 def test_bench_commands_print_their_ratios(tmp_path):
     from click.testing import CliRunner
 

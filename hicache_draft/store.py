@@ -589,44 +589,50 @@ class _EarlyVerifier:
         (the hash reads them from this core's cache, not from memory). Returns the bytes read (fewer only at
         end of file); the pages count as finished. Raises once the call was abandoned (its memory
         may be someone else's) and for a page named twice or already announced."""
-        todo: list[tuple[str, int, Page]] = []
+        if not isinstance(pages, (list, tuple)):
+            pages = list(pages)
+        run: list[Page] = []  # run[j] is pages[j]: the pages marked so far
         fut: Future[list[Any]] = Future()
+        mixed = False
         with self.lock:
             if not self.open:
                 raise RuntimeError("read_records after the page_get call ended or was abandoned")
             last: object = None
             got: Sequence[Page] = ()
             slots: list[Future[list[Any]] | None] = []
+            pool: object = None
+            i: Any = None
             try:
                 for pool, i in pages:
                     if pool is not last:  # a run is mostly of one pool
+                        mixed = last is not None
                         got, slots, last = self.pages.get(pool, ()), self.started.get(pool, []), pool
-                    if not isinstance(i, int) or not 0 <= i < len(got):
-                        raise ValueError(f"read_records: no page {i!r} of pool {pool!r} in this call")
+                    if i < 0 or i.__class__ is not int:  # a TypeError (not comparable) is refused below too
+                        raise IndexError
+                    page = got[i]
                     if slots[i] is not None:
                         raise ValueError(f"read_records: page {i} of pool {pool!r} was already read or announced")
                     slots[i] = fut
-                    todo.append((pool, i, got[i]))
+                    run.append(page)
+            except (IndexError, TypeError):
+                self._unmark(pages[: len(run)])
+                raise ValueError(f"read_records: no page {i!r} of pool {pool!r} in this call") from None
             except BaseException:
-                self._unmark(todo)
+                self._unmark(pages[: len(run)])
                 raise
-        pools = {pool for pool, _i, _p in todo}
-        codes: int | bytes = (pool_code(next(iter(pools))) if len(pools) == 1
-                              else bytes(pool_code(pool) for pool, _i, _p in todo))
+        codes: int | bytes = pool_code(last) if run and not mixed else bytes(pool_code(p) for p, _i in pages)
         try:
-            nread, failed = _native.read_check(
-                fd, offset, [p for _pool, _i, p in todo], codes, namespace_bytes, _RECORD_CHUNK,
-            )
+            nread, failed = _native.read_check(fd, offset, run, codes, namespace_bytes, _RECORD_CHUNK)
         except BaseException as exc:  # nothing read counts: checked again after the call, if reported OK
             with self.lock:
-                self._unmark(todo)
+                self._unmark(pages[: len(run)])
             fut.set_exception(exc)
             raise
-        fut.set_result(_named([todo[j] for j in failed]))
+        fut.set_result(_named([(pages[j][0], pages[j][1], run[j]) for j in failed]) if failed else [])
         return nread
 
-    def _unmark(self, todo: Sequence[tuple[str, int, Page]]) -> None:
-        for pool, i, _page in todo:
+    def _unmark(self, marked: Sequence[tuple[str, int]]) -> None:
+        for pool, i in marked:
             self.started[pool][i] = None
 
     def abandon(self) -> None:
@@ -645,12 +651,11 @@ class _EarlyVerifier:
         early: dict[int, Future[list[Any]]] = {}
         ok = PageResult.OK
         for pool, pages in self.pages.items():
-            for i, (r, fut) in enumerate(zip(out[pool], started[pool], strict=True)):
-                if r is not ok:
-                    continue
-                if fut is None:
-                    later.append((pool, i, pages[i]))
-                else:
+            slots, res = started[pool], out[pool]
+            if None in slots:  # pages the backend neither read through the core nor announced
+                later.extend((pool, i, pages[i]) for i, f in enumerate(slots) if f is None and res[i] is ok)
+            for fut in set(slots):  # a check per run: its failures count only where the page is OK
+                if fut is not None:
                     early[id(fut)] = fut
         for fut in early.values():
             try:

@@ -198,6 +198,30 @@ def test_a_page_can_be_read_once():
         store.close()
 
 
+@pytest.mark.parametrize("bad", [(KV, 2), (KV, -1), (KV, True), (KV, 1.0), (KV, "1"), (KV, None), ("nope", 0)])
+def test_read_records_refuses_a_page_not_in_the_call_and_unmarks_the_run(bad):
+    """A run naming a page the call does not have (out of range, negative, not an int, another pool)
+    is refused with the page named; the pages of the run marked before it are free again."""
+    store = _store()
+    try:
+        mem = [bytearray(64), bytearray(64)]
+        pages = [Page(f"{i:064x}.{NS}", f"{i:064x}", NS, (Buffer.of(m),)) for i, m in enumerate(mem)]
+        transfers = store.attach_headers([PageTransfer(KV, pages)], made=False)
+        early = store_mod._EarlyVerifier(store, transfers)
+        with tempfile.TemporaryFile() as f:
+            for p in pages:
+                f.write(make_header(p.key, NS, KV, [bytes(64)]) + bytes(64))
+            f.flush()
+            with pytest.raises(ValueError, match=f"no page {bad[1]!r} of pool {bad[0]!r}"):
+                early.read_records(f.fileno(), 0, [(KV, 0), bad])
+            assert early.read_records(f.fileno(), 0, [(KV, 0), (KV, 1)]) == 256
+            out = {KV: [PageResult.OK, PageResult.OK]}
+            early.settle(out)
+            assert out[KV] == [PageResult.OK, PageResult.OK]
+    finally:
+        store.close()
+
+
 def test_a_read_that_fails_after_the_backend_returned_still_leaves_its_pages_checked(monkeypatch):
     """A backend that returns OK while one of its threads is still inside ``read_records``, which then
     fails: those pages were marked as being checked when the call ended, so they are checked after

@@ -430,11 +430,13 @@ class Store:
 
 
 _VERIFY_CHUNK_BYTES = 4 << 20  # below this per worker, one thread makes or checks the headers
-# read_records: bytes per read, hashed right after it lands. On the development VM (AVX-512, 2 MiB
-# L2) 1 MiB records read and verified at 6.2 GB/s in 64 KiB reads, 5.8 in 256 KiB, 5.4 in 1 MiB, and
-# 5.1 read whole then hashed (7.8 unverified): the hash itself (about 28 GB/s on one core) is what
-# verification costs, the cache saves only the second pass over the memory.
-_RECORD_CHUNK = 64 << 10
+# read_records: bytes per read, hashed right after it lands. One thread reading a run of records
+# from the page cache and verifying it, H200 host: 64 KiB records (8 MiB) 1.18 ms in 64 KiB reads,
+# 1.04 in 128 KiB, 0.99 in 256 KiB, 1.01 in 512 KiB (0.80 unverified); 1 MiB records (64 MiB) 16.0 /
+# 15.4 / 15.5 / 15.7 (12.5 unverified). On the 2-core VM every size from 64 KiB to 512 KiB is within
+# its noise. The hash (about 30 GB/s a core, as fast from memory as from cache) is what verification
+# costs; a read per record (64 KiB) costs a call per record on top.
+_RECORD_CHUNK = 256 << 10
 _VERIFY_WORKERS = max(1, min(16, os.cpu_count() or 1))
 
 
@@ -586,7 +588,7 @@ class _EarlyVerifier:
         """Read ``pages`` (``(pool, index)`` in their transfers), stored back to back from ``offset``
         of ``fd`` in the core's page format (each its 64-byte header, then its payload), into their
         headers and buffers, and verify each as its bytes land, in calls of ``_RECORD_CHUNK`` bytes
-        (the hash reads them from this core's cache, not from memory). Returns the bytes read (fewer only at
+        (the hash reads each piece right after it lands). Returns the bytes read (fewer only at
         end of file); the pages count as finished. Raises once the call was abandoned (its memory
         may be someone else's) and for a page named twice or already announced."""
         if not isinstance(pages, (list, tuple)):

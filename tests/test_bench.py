@@ -27,6 +27,9 @@ def test_verification_bench_reads_back_what_it_stored(tmp_path):
     cost = measure("file", {"root": str(tmp_path / "root")}, page_bytes=64 << 10, pages=16, rounds=2)
     assert cost.store_s > 0 and cost.bare_s > 0
     assert "% of page_get" in cost.row()
+    # the one-thread run: at least 2 MiB of records (all 16 pages here), read plain and read and checked
+    assert cost.run_pages == 16 and cost.run_read_s > 0 and cost.run_checked_s > 0
+    assert "run of 16 pages" in cost.row() and "floor" in cost.row()
 
 
 def test_verification_bench_runs_both_reads_as_the_store_runs_calls(tmp_path, monkeypatch):

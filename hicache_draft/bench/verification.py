@@ -22,22 +22,32 @@ is in this core's cache as in the fused read-and-check; scaled to the pages' byt
 most 16): what verifying costs when the cores that read the pages also hash them, the floor of the
 share (a read limited by memory bandwidth rather than by its cores can hide part of it; a backend
 that reads with fewer threads pays more).
+
+And it times one thread's run (one thread's share of the batch, at least 2 MiB of records, from one
+file of records in the core's page format in the system's temporary directory, in the page cache)
+read plain with one :func:`~hicache_draft.read_into` and read and verified as ``read_records`` does
+it: what verifying adds to the thread that reads, the floor for a store whose reading threads also
+verify (the check is not free in that thread's cache: it is a pass at the hash's speed after a copy
+at the kernel's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_draft.buffer_io import read_into
+from hicache_draft import _native
+from hicache_draft.buffer_io import read_into, write_from
 from hicache_draft.capabilities import PoolKind
 from hicache_draft.keys import make_key
-from hicache_draft.page_format import HEADER_SIZE, corrupt_pages, pack_page_headers
+from hicache_draft.page_format import HEADER_SIZE, corrupt_pages, namespace_bytes, pack_page_headers, pool_code
 from hicache_draft.store import _RECORD_CHUNK, _VERIFY_WORKERS, Store
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer
 
@@ -50,6 +60,9 @@ class VerificationCost:
     bare_s: float
     hash_s: float = 0.0  # the check alone, one thread, each page in this core's cache
     threads: int = 1  # the threads the core verifies with
+    run_pages: int = 0  # the one-thread run: pages read from one file of records in the core's format
+    run_read_s: float = 0.0  # that run read unchecked (one read_into)
+    run_checked_s: float = 0.0  # that run read and verified as the core does (read_check)
 
     @property
     def floor(self) -> float:
@@ -61,12 +74,20 @@ class VerificationCost:
     def share(self) -> float:
         return (self.store_s - self.bare_s) / self.store_s
 
+    @property
+    def run_floor(self) -> float:
+        """The share verification costs the thread that reads a run: what the fused read-and-check
+        adds to one thread's plain read of the same records (a store that reads and verifies with
+        the same threads pays it on every thread; 0 when not measured)."""
+        return (self.run_checked_s - self.run_read_s) / self.run_checked_s if self.run_checked_s else 0.0
+
     def row(self) -> str:
         gb = self.page_bytes * self.pages / 1e9
         return (f"{self.page_bytes >> 10:>6} KiB x {self.pages:<4} | store {gb / self.store_s:6.2f} GB/s | "
                 f"bare {gb / self.bare_s:6.2f} GB/s | verification {self.share * 100:5.1f}% of page_get | "
                 f"hash alone {gb / self.hash_s:6.2f} GB/s a thread: floor {self.floor * 100:4.1f}% with {self.threads} "
-                f"thread(s)")
+                f"thread(s) | one thread's run of {self.run_pages} pages read {self.run_read_s * 1e3:.3f} ms, read and "
+                f"checked {self.run_checked_s * 1e3:.3f} ms: floor {self.run_floor * 100:4.1f}%")
 
 
 def _pages(region: bytearray, groups: list[str], namespace: str, page_bytes: int) -> list[Page]:
@@ -92,6 +113,51 @@ def _unchecked_reader(transfers: Sequence[PageTransfer]) -> Callable[[int, int, 
         return read_into(fd, offset, iov)
 
     return read
+
+
+_RUN_FLOOR_BYTES = 2 << 20
+"""The one-thread run is one thread's share of the batch, at least this (the file backend's run)."""
+
+
+def _run_floor(
+    src: bytearray, groups: list[str], namespace: str, page_bytes: int, rounds: int
+) -> tuple[float, float]:
+    """Median seconds for one thread to read a run of ``len(groups)`` records (the core's page
+    format, one file in the system's temporary directory, in the page cache) unchecked with one
+    :func:`read_into`, and read and verified as the core's ``read_records`` does it."""
+    n = len(groups)
+    stored = _pages(src, groups, namespace, page_bytes)
+    headers = bytearray(HEADER_SIZE * n)
+    whole = Buffer.of(headers)
+    stored = [dataclasses.replace(p, header=Buffer(whole.ptr + i * HEADER_SIZE, HEADER_SIZE, owner=whole))
+              for i, p in enumerate(stored)]
+    pack_page_headers(memoryview(headers), stored, PoolKind.KV)
+    dst = bytearray(page_bytes * n)
+    into = _pages(dst, groups, namespace, page_bytes)
+    zeroed = Buffer.of(bytearray(HEADER_SIZE * n))
+    into = [dataclasses.replace(p, header=Buffer(zeroed.ptr + i * HEADER_SIZE, HEADER_SIZE, owner=zeroed))
+            for i, p in enumerate(into)]
+    iov = [b for p in into for b in (p.header, *p.buffers) if b is not None]
+    reps = max(1, (64 << 20) // (page_bytes * n))  # about 64 MiB a timing
+    timed: dict[str, list[float]] = {"read": [], "checked": []}
+    with tempfile.TemporaryFile() as f:
+        write_from(f.fileno(), 0, [b for p in stored for b in (p.header, *p.buffers) if b is not None])
+        read_into(f.fileno(), 0, iov)  # in the page cache, the destination touched
+        for _ in range(max(3, rounds)):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                read_into(f.fileno(), 0, iov)
+            timed["read"].append((time.perf_counter() - t0) / reps)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                _, failed = _native.read_check(f.fileno(), 0, into, pool_code(PoolKind.KV), namespace_bytes,
+                                               _RECORD_CHUNK)
+                if failed:
+                    raise RuntimeError("a record of the one-thread run fails its own check")
+            timed["checked"].append((time.perf_counter() - t0) / reps)
+    if dst != src[: len(dst)]:
+        raise RuntimeError("the one-thread run read back other bytes than it wrote")
+    return statistics.median(timed["read"]), statistics.median(timed["checked"])
 
 
 def measure(
@@ -141,7 +207,10 @@ def measure(
                 if corrupt_pages([probe], PoolKind.KV):
                     raise RuntimeError("a page fails its own check")
             timed["hash"].append((time.perf_counter() - t0) * page_bytes * pages / (reps * piece))
+        run_pages = min(pages, max(1, -(-_RUN_FLOOR_BYTES // page_bytes), -(-pages // _VERIFY_WORKERS)))
+        run_read, run_checked = _run_floor(src, groups[:run_pages], namespace, page_bytes, rounds)
         return VerificationCost(page_bytes, pages, *(statistics.median(timed[k]) for k in ("store", "bare", "hash")),
-                                threads=_VERIFY_WORKERS)
+                                threads=_VERIFY_WORKERS, run_pages=run_pages, run_read_s=run_read,
+                                run_checked_s=run_checked)
     finally:
         store.close()

@@ -476,9 +476,12 @@ def attach_headers(
             pack_page_headers(view[first * HEADER_SIZE : (first + len(pages)) * HEADER_SIZE], pages, pool)
 
         if len(shares) > 1 and executor is not None:
-            for f in [executor.submit(pack, sh) for sh in shares[1:]]:
-                f.result()
-            pack(shares[0])
+            futures = [executor.submit(pack, sh) for sh in shares[1:]]
+            try:
+                pack(shares[0])  # the caller's share while the executor makes the others
+            finally:  # no share outlives the call (they read the caller's pages)
+                for f in futures:
+                    f.result()
         else:
             for sh in shares:
                 pack(sh)

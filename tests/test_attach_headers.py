@@ -93,3 +93,31 @@ def test_building_pages_keeps_every_reference_count_right() -> None:
     del out
     gc.collect()
     assert (sys.getrefcount(key), sys.getrefcount(bufs)) == before and sys.getrefcount(owner) == 2
+
+
+def test_a_large_call_makes_its_headers_on_every_share_at_once(monkeypatch) -> None:
+    """The shares of a large call are made side by side: the caller's own share while the
+    executor's run (it waited for the executor's shares before starting its own, so a call took
+    the sum of its shares, not the longest). Every share meets at a barrier, which only all of
+    them running at once can pass; the headers are the same as made in one thread."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import hicache_draft.store as store_mod
+
+    monkeypatch.setattr(store_mod, "_VERIFY_WORKERS", 2)
+    monkeypatch.setattr(store_mod, "_VERIFY_CHUNK_BYTES", 1024)
+    region = bytearray(range(256)) * 64
+    pages = _pages(8, 1, region)  # 16 KiB: two shares of 8 KiB
+    one = attach_headers([PageTransfer(PoolKind.KV, pages, True)], made=True)
+    barrier = threading.Barrier(2, timeout=10)
+    real = store_mod.pack_page_headers
+
+    def pack(view, share, pool):  # noqa: ANN001, ANN202
+        barrier.wait()  # BrokenBarrierError (fails the call) unless both shares are here at once
+        return real(view, share, pool)
+
+    monkeypatch.setattr(store_mod, "pack_page_headers", pack)
+    with ThreadPoolExecutor(2) as ex:
+        two = attach_headers([PageTransfer(PoolKind.KV, pages, True)], made=True, executor=ex)
+    assert [p.header.view().tobytes() for p in two[0].pages] == [p.header.view().tobytes() for p in one[0].pages]

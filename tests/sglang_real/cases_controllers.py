@@ -33,23 +33,6 @@ def extra_for(mode, root, draft, *, layout=None, **kw):
     return h.extra_config(str(root), legacy_draft=legacy, **kw)
 
 
-def round_trip(rigs, target, draft, layout, extra, *, mode="hybrid", pages=5, seed=1, **kw):
-    """Back up ``pages`` pages (target and draft) in one rig, restore them in a fresh one."""
-    writer = rigs(target, draft, layout, extra, mode=mode, **kw)
-    for n, pool in enumerate(writer.pools):
-        h.fill_random(pool.host, seed + n)
-    toks = h.tokens(pages, writer.page_size, salt=seed)
-    src = writer.alloc(pages)
-    assert writer.backup(toks, src) == pages * writer.page_size
-    before = [[h.page_bytes(p.host, int(i)) for i in src[:: writer.page_size]] for p in writer.pools]
-    writer.close()
-    reader = rigs(target, draft, layout, extra, mode=mode, **kw)
-    hit, dst, done = reader.prefetch(toks)
-    after = [] if dst is None else [[h.page_bytes(p.host, int(i)) for i in dst[:: reader.page_size]]
-                                     for p in reader.pools]
-    return hit, done, before, after, reader
-
-
 # -- round trips -------------------------------------------------------------------------------------
 
 PAIRS = [(MHA_T, MHA_D), (MLA_T, MLA_D), (MLA_T, MHA_D), (MHA_T, MLA_D)]
@@ -68,7 +51,7 @@ def test_round_trip_after_restart_is_byte_exact(tmp_path, rigs, case, mode, v1):
     target, draft, layout = case
     extra = extra_for(mode, tmp_path / "kv", draft, layout=None if draft.attention == target.attention
                       else "page_first", interface_v1=v1)
-    hit, done, before, after, _ = round_trip(rigs, target, draft, layout, extra, mode=mode)
+    hit, done, before, after, _ = h.round_trip(rigs, target, draft, layout, extra, mode=mode)
     assert (hit, done) == (20, 20)
     assert after == before  # KV and DRAFT, every page
 
@@ -82,7 +65,7 @@ SMOKE = [(MHA_T, MHA_D, "page_first"), (MLA_T, MLA_D, "page_first_direct"), (MLA
 def test_smoke_round_trip(tmp_path, rigs, case, v1):
     target, draft, layout = case
     extra = h.extra_config(str(tmp_path / "kv"), interface_v1=v1)
-    hit, done, before, after, _ = round_trip(rigs, target, draft, layout, extra)
+    hit, done, before, after, _ = h.round_trip(rigs, target, draft, layout, extra)
     assert (hit, done) == (20, 20) and after == before
 
 
@@ -107,8 +90,8 @@ def test_host_pools_build_on_a_machine_with_less_than_sglangs_10_gib_reserve_fre
 def test_a_backup_longer_than_sglangs_storage_batch(tmp_path, rigs, mode):
     pages = h.STORAGE_BATCH_SIZE + 3
     extra = extra_for(mode, tmp_path / "kv", MHA_D)
-    hit, done, before, after, _ = round_trip(rigs, MHA_T, MHA_D, "page_first", extra, mode=mode, pages=pages,
-                                             page_size=2, device_tokens=2 * pages + 8)
+    hit, done, before, after, _ = h.round_trip(rigs, MHA_T, MHA_D, "page_first", extra, mode=mode, pages=pages,
+                                               page_size=2, device_tokens=2 * pages + 8)
     assert (hit, done) == (2 * pages, 2 * pages)
     assert after == before
 
@@ -374,6 +357,6 @@ def test_the_readme_launch_line_for_this_release_round_trips_the_draft(tmp_path,
     draft = h.Shape("mha", section["layers"], heads=section["kv_heads"], head_dim=section["head_dim"]) if section \
         else MHA_D
     target = h.Shape("mha", 3, heads=draft.heads, head_dim=draft.head_dim)
-    hit, done, before, after, reader = round_trip(rigs, target, draft, "page_first", extra, mode=mode)
+    hit, done, before, after, reader = h.round_trip(rigs, target, draft, "page_first", extra, mode=mode)
     assert (hit, done) == (20, 20) and after == before
     assert reader.adapter.placement.draft_model == h.DRAFT_MODEL

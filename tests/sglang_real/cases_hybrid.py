@@ -59,25 +59,6 @@ def extra_for(backend: str, tmp_path, **kw):
     return h.extra_config(str(tmp_path / "kv"), **kw)
 
 
-def round_trip(rigs, model, target, draft, layout, extra, *, pages, seed=1, **kw):
-    """Back up ``pages`` pages of every pool in one rig; restore them in a fresh one (a restart).
-    Returns (hit tokens, restored tokens, pages before by pool, pages after by pool, reader)."""
-    writer = rigs(target, draft, layout, extra, model=model, **kw)
-    for n, pool in enumerate(writer.pools):
-        h.fill_random(pool.host, seed + n)
-    toks = h.tokens(pages, writer.page_size, salt=seed)
-    src = writer.alloc(pages)
-    assert writer.backup(toks, src) == pages * writer.page_size
-    before = writer.snapshot(src)
-    writer.close()
-    reader = rigs(target, draft, layout, extra, model=model, **kw)
-    for n, pool in enumerate(reader.pools):
-        h.fill_random(pool.host, seed + 100 + n)  # what a restarted server's host slots hold: other bytes
-    hit, dst, done = reader.prefetch(toks)
-    after = {} if dst is None else reader.snapshot(dst)
-    return hit, done, before, after, reader
-
-
 # Issue 14: on the adapter before pool bindings (cf23ee5) both tests fail on 0.5.18 and 0.5.23: an INDEXER
 # pool (ALL_PAGES) made the whole DSA hit 0 ((0, 0) == (192, 192)) and SWA got nothing ((0, 0) == (20, 20)).
 @pytest.mark.parametrize("backend", ["file", "memory"])
@@ -86,7 +67,7 @@ def round_trip(rigs, model, target, draft, layout, extra, *, pages, seed=1, **kw
 def test_dsa_with_mtp_round_trips_every_pool_after_restart(tmp_path, rigs, backend, layout, v1):
     pages = 3
     extra = extra_for(backend, tmp_path, interface_v1=v1)
-    hit, done, before, after, reader = round_trip(rigs, "dsa", DSA_T, DSA_D, layout, extra, pages=pages,
+    hit, done, before, after, reader = h.round_trip(rigs, DSA_T, DSA_D, layout, extra, model="dsa", pages=pages,
                                                   page_size=h.DSA_PAGE_SIZE, device_tokens=4 * h.DSA_PAGE_SIZE)
     assert set(before) == {"kv", "indexer", "draft", "draft_indexer"}
     full = pages * h.DSA_PAGE_SIZE
@@ -100,7 +81,7 @@ def test_dsa_with_mtp_round_trips_every_pool_after_restart(tmp_path, rigs, backe
 def test_hybrid_swa_round_trips_every_pool_after_restart(tmp_path, rigs, backend, layout, v1):
     pages, window = 5, 2
     extra = extra_for(backend, tmp_path, interface_v1=v1)
-    hit, done, before, after, reader = round_trip(rigs, "swa", SWA_T, SWA_D, layout, extra, pages=pages,
+    hit, done, before, after, reader = h.round_trip(rigs, SWA_T, SWA_D, layout, extra, model="swa", pages=pages,
                                                   window_pages=window)
     assert set(before) == {"kv", "swa", "draft_swa"}
     assert [len(v) for v in before.values()] == [pages, window, window]
@@ -118,7 +99,7 @@ DSA_KW = {"page_size": h.DSA_PAGE_SIZE, "device_tokens": 4 * h.DSA_PAGE_SIZE}
 @pytest.mark.parametrize("v1", [True, False], ids=["v1", "generic"])
 def test_dsa_with_mtp_every_pool_held_round_trips_after_restart(tmp_path, rigs, layout, v1):
     extra = extra_for("every-pool", tmp_path, interface_v1=v1)
-    hit, done, before, after, reader = round_trip(rigs, "dsa", DSA_T, DSA_D, layout, extra, pages=3, **DSA_KW)
+    hit, done, before, after, reader = h.round_trip(rigs, DSA_T, DSA_D, layout, extra, model="dsa", pages=3, **DSA_KW)
     assert (hit, done) == (192, 192)
     assert set(before) == {"kv", "indexer", "draft", "draft_indexer"} and after == before
     assert {n: b.active for n, b in reader.adapter.bindings.items()} == dict.fromkeys(before, True)
@@ -128,7 +109,7 @@ def test_dsa_with_mtp_every_pool_held_round_trips_after_restart(tmp_path, rigs, 
 @pytest.mark.parametrize("v1", [True, False], ids=["v1", "generic"])
 def test_hybrid_swa_every_pool_held_round_trips_after_restart(tmp_path, rigs, layout, v1):
     extra = extra_for("every-pool", tmp_path, interface_v1=v1)
-    hit, done, before, after, _ = round_trip(rigs, "swa", SWA_T, SWA_D, layout, extra, pages=5, window_pages=2)
+    hit, done, before, after, _ = h.round_trip(rigs, SWA_T, SWA_D, layout, extra, model="swa", pages=5, window_pages=2)
     assert (hit, done) == (20, 20)
     assert [len(v) for v in before.values()] == [5, 2, 2] and after == before
 
@@ -177,11 +158,11 @@ def test_sglangs_own_file_backend_round_trips_every_pool_of_the_rig(tmp_path, ri
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "sglang"))
     if model == "dsa":
         kw = {"page_size": h.DSA_PAGE_SIZE, "device_tokens": 4 * h.DSA_PAGE_SIZE}
-        hit, done, before, after, _ = round_trip(rigs, "dsa", DSA_T, DSA_D, "page_first", {}, pages=3,
+        hit, done, before, after, _ = h.round_trip(rigs, DSA_T, DSA_D, "page_first", {}, model="dsa", pages=3,
                                                  storage_backend="file", **kw)
         assert (hit, done, set(before)) == (192, 192, {"kv", "indexer", "draft", "draft_indexer"})
     else:
-        hit, done, before, after, _ = round_trip(rigs, "swa", SWA_T, SWA_D, "page_first", {}, pages=5,
+        hit, done, before, after, _ = h.round_trip(rigs, SWA_T, SWA_D, "page_first", {}, model="swa", pages=5,
                                                  storage_backend="file")
         assert (hit, done, set(before)) == (20, 20, {"kv", "swa", "draft_swa"})
     assert after == before

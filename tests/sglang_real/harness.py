@@ -497,3 +497,26 @@ class Rig:
 
 def tokens(n_pages: int, page_size: int = 4, salt: int = 0) -> list[int]:
     return [salt * 1_000_003 + t for t in range(n_pages * page_size)]
+
+
+def round_trip(
+    rigs: Any, target: Shape, draft: Shape, layout: str, extra: dict[str, Any], *, pages: int = 5, seed: int = 1,
+    **kw: Any,
+) -> tuple[int, int, dict[str, list[bytes]], dict[str, list[bytes]], Rig]:
+    """Back up ``pages`` pages of every pool in one rig (``rigs(target, draft, layout, extra, **kw)``),
+    restore them in a fresh one (a restart) whose host slots hold other bytes first. Returns (hit
+    tokens, restored tokens, pages before by pool, pages after by pool, the reading rig)."""
+    writer = rigs(target, draft, layout, extra, **kw)
+    for n, pool in enumerate(writer.pools):
+        fill_random(pool.host, seed + n)
+    toks = tokens(pages, writer.page_size, salt=seed)
+    src = writer.alloc(pages)
+    assert writer.backup(toks, src) == pages * writer.page_size
+    before = writer.snapshot(src)
+    writer.close()
+    reader = rigs(target, draft, layout, extra, **kw)
+    for n, pool in enumerate(reader.pools):
+        fill_random(pool.host, seed + 100 + n)  # what a restarted server's host slots hold: other bytes
+    hit, dst, done = reader.prefetch(toks)
+    after = {} if dst is None else reader.snapshot(dst)
+    return hit, done, before, after, reader

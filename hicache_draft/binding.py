@@ -512,8 +512,10 @@ def usable_hit(
     if len(bindings) == 1 and bindings[0].spec.role is not PoolKind.DRAFT:  # the usual query: the target alone
         b = bindings[0]
         if b.spec.hit_policy is HitPolicy.ALL_PAGES:
-            n = max(0, min(limit, prefix.get(b.name, 0)) if b.active else limit)
-            return Hit(n, 0, {b.name: n} if b.active else {})
+            if not b.active:
+                return Hit(max(0, limit), 0, {})
+            got = min(limit, prefix.get(b.name, 0))
+            return Hit(max(0, got), 0, {b.name: got})
     active = [b for b in bindings if b.active]
     gating = active if draft_gates else [b for b in active if b.spec.role is not PoolKind.DRAFT]
     draft = [b for b in active if b.spec.role is PoolKind.DRAFT]

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache_draft import (
     Attention,
@@ -208,6 +210,20 @@ def test_the_hit_is_the_minimum_over_all_pages_pools():
     got = hit([KV_, IDX, DRAFT_IDX], {"kv": 9, "indexer": 6, "draft_indexer": 7}, {}, limit=8)
     assert (got.pages, got.draft_pages) == (6, 6)
     assert got.boundaries == {"kv": 8, "indexer": 6, "draft_indexer": 7}
+
+
+@settings(max_examples=200, deadline=None)
+@given(prefix=st.integers(-3, 40), limit=st.integers(0, 30), gates=st.booleans(), active=st.booleans())
+def test_the_target_alone_is_answered_as_with_a_pool_that_holds_everything(prefix, limit, gates, active):
+    """The target alone (the usual query, answered without the window machinery) gives the hit and
+    boundary the general rule gives when another pool holding every page is asked with it."""
+    kv = _Fake("kv", PoolKind.KV, HitPolicy.ALL_PAGES)
+    kv.active = active
+    full = _Fake("indexer", PoolKind.KV, HitPolicy.ALL_PAGES)
+    alone = hit([kv], {"kv": prefix}, {}, limit=limit, draft_gates=gates)
+    both = hit([kv, full], {"kv": prefix, "indexer": limit}, {}, limit=limit, draft_gates=gates)
+    assert (alone.pages, alone.draft_pages) == (both.pages, both.draft_pages)
+    assert alone.boundaries == {k: v for k, v in both.boundaries.items() if k == "kv"}
 
 
 def test_a_missing_draft_component_shortens_the_hit_or_only_the_draft_prefix():

@@ -124,6 +124,10 @@ class Capabilities(BaseModel):
     which makes each header from the bytes as it writes them (one pass over the memory). The
     ``Store`` then hands it zeroed headers instead of making them before the call; a page reported
     ``OK`` that was not written that way keeps a zero header, which never verifies.
+    ``headers_on_demand``: it asks the core for the headers of the pages it is about to send
+    (``page_set``'s ``make_headers``), a piece of the batch at a time, so that the core hashes one
+    piece while the backend moves the one before. The ``Store`` then hands it zeroed headers; a
+    page sent without asking keeps a zero header, which never verifies.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -133,6 +137,7 @@ class Capabilities(BaseModel):
     persistent: bool = False
     shared: bool = False
     writes_records: bool = False
+    headers_on_demand: bool = False
 
     @field_validator("pools")
     @classmethod
@@ -169,4 +174,5 @@ class Capabilities(BaseModel):
             "persistent": self.persistent,
             "shared": self.shared,
             "writes_records": self.writes_records,
+            "headers_on_demand": self.headers_on_demand,
         }

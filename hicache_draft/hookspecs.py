@@ -56,6 +56,7 @@ def page_set(
     transfers: Sequence[PageTransfer],
     deadline: float,
     write_records: Callable[[int, int, Sequence[tuple[str, int]], int], int],
+    make_headers: Callable[[str, Sequence[int]], None],
 ) -> Mapping[str, Sequence[PageResult]]:
     """Store pages. ``transfers`` holds one :class:`PageTransfer` per pool (target and draft of
     one backup come in one call). Read each page's bytes from its buffers.
@@ -72,6 +73,13 @@ def page_set(
     and putting it into ``page.header`` as well, without the GIL. It returns the bytes written,
     raises ``OSError`` as a write would, ``TimeoutError`` at the call's deadline (nothing more is
     read or written) and ``RuntimeError`` once the call has been abandoned.
+
+    ``make_headers(pool, indices)`` (given when the backend declares
+    ``Capabilities.headers_on_demand``, and then the pages' headers are zeroed): the core makes the
+    headers of those pages of ``pool``'s transfer from their bytes into ``page.header``, without the
+    GIL; call it for each piece of the batch just before you send that piece, so that the core hashes
+    one piece while the one before moves. It raises ``ValueError`` for a page not in the call and
+    ``RuntimeError`` once the call has returned or was abandoned (then nothing is made).
     """
 
 

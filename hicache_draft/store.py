@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,23 +226,25 @@ class Store:
         # a backend that writes through write_records gets zeroed headers: the core makes each
         # one while writing the page (one pass over its memory), not before the call
         writes = hook == "page_set" and self.capabilities.writes_records
-        transfers = attach_headers(transfers, made=hook == "page_set" and not writes, executor=self._verifiers())
+        on_demand = hook == "page_set" and not writes and self.capabilities.headers_on_demand
+        transfers = attach_headers(transfers, made=hook == "page_set" and not writes and not on_demand,
+                                   executor=self._verifiers())
         out = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         kwargs: dict[str, Any] = {"transfers": transfers, "deadline": deadline}
         early: _EarlyVerifier | None = None
-        writer: _RecordWriter | None = None
+        writer: _RecordWriter | _HeaderMaker | None = None
         if hook == "page_get":
             early = _EarlyVerifier(self, transfers)
             kwargs["finished"] = early.finished
             kwargs["read_records"] = early.read_records
-        elif writes:
-            writer = _RecordWriter(transfers, deadline)
-            kwargs["write_records"] = writer.write_records
-        else:
-            kwargs["write_records"] = None  # every spec argument is passed (pluggy warns otherwise)
+        else:  # every spec argument is passed (pluggy warns otherwise)
+            writer = (_RecordWriter(transfers, deadline) if writes else
+                      _HeaderMaker(transfers, deadline, self._verifiers()) if on_demand else None)
+            kwargs["write_records"] = writer.write_records if isinstance(writer, _RecordWriter) else None
+            kwargs["make_headers"] = writer.make_headers if isinstance(writer, _HeaderMaker) else None
         status, value, fut = self._call(hook, kwargs, deadline)
         if writer is not None:
-            writer.close()  # returned or abandoned: no further write reads the call's memory
+            writer.close()  # returned or abandoned: no further write or header reads the call's memory
         got = self._results(hook, status, value, transfers)
         if got is None:
             if early is not None:
@@ -541,6 +544,93 @@ class _RecordWriter:
     def close(self) -> None:
         with self.lock:
             self.open = False
+
+
+class _HeaderMaker:
+    """The core's ``make_headers`` for one ``page_set`` (backends that declare
+    ``headers_on_demand``): it makes the headers of the pages the backend is about to send, from
+    their bytes, until the call returns or is abandoned; :meth:`close` waits for a call in progress
+    (at most one piece of ``_HEADER_PIECE`` bytes per backend thread)."""
+
+    def __init__(
+        self, transfers: Sequence[PageTransfer], deadline: float, executor: ThreadPoolExecutor | None = None
+    ) -> None:
+        self.pages = {t.pool: t.pages for t in transfers}
+        self.deadline = deadline
+        self.executor = executor  # a large request is shared among these threads and the caller's
+        self.cond = threading.Condition()
+        self.open = True
+        self.busy = 0
+
+    def make_headers(self, pool: str, indices: Sequence[int]) -> None:
+        """Make the headers of ``indices`` of ``pool``'s transfer (see the ``page_set`` hookspec)."""
+        pages = self.pages.get(pool)
+        idx = list(indices)
+        if pages is None or not all(i.__class__ is int and 0 <= i < len(pages) for i in idx):
+            bad = next((i for i in idx if pages is None or not (i.__class__ is int and 0 <= i < len(pages))), None)
+            raise ValueError(f"make_headers: no page {bad!r} of pool {pool!r} in this call")
+        pieces = _header_pieces(pages, sorted(set(idx)))
+        total = sum(p.nbytes for piece in pieces for p in piece)
+        workers = min(_VERIFY_WORKERS, len(pieces), max(1, total // _VERIFY_CHUNK_BYTES))
+        if self.executor is None or workers <= 1:
+            self._make(pool, pieces)
+            return
+        shares = [pieces[w::workers] for w in range(workers)]
+        futures = [self.executor.submit(self._make, pool, sh) for sh in shares[1:]]
+        try:
+            self._make(pool, shares[0])
+        finally:  # no share outlives the request (they read the caller's pages)
+            wait_all(futures)
+        for f in futures:
+            f.result()
+
+    def _make(self, pool: str, pieces: Sequence[list[Page]]) -> None:
+        for piece in pieces:
+            with self.cond:
+                if not self.open or time.monotonic() >= self.deadline:
+                    raise RuntimeError("make_headers after the page_set call ended or was abandoned")
+                self.busy += 1
+            try:
+                first = piece[0].header
+                assert first is not None
+                pack_page_headers(Buffer(first.ptr, HEADER_SIZE * len(piece), first).view(), piece, pool)
+            finally:
+                with self.cond:
+                    self.busy -= 1
+                    self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.open = False
+            self.cond.wait_for(lambda: self.busy == 0, timeout=_HEADER_CLOSE_S)
+
+
+_HEADER_PIECE = 1 << 20  # make_headers hashes this much at most between two checks that the call is still on
+_HEADER_CLOSE_S = 5.0  # bound on waiting for a piece in progress (a piece takes well under a millisecond)
+
+
+def _header_pieces(pages: Sequence[Page], indices: list[int]) -> list[list[Page]]:
+    """``indices`` (sorted, distinct) cut into runs of pages whose headers lie back to back in one
+    block, each of at most ``_HEADER_PIECE`` bytes (a larger page alone)."""
+    out: list[list[Page]] = []
+    cur: list[Page] = []
+    size = 0
+    prev = -2
+    for i in indices:
+        page = pages[i]
+        head = page.header
+        assert head is not None
+        n = page.nbytes
+        if cur and (i != prev + 1 or size + n > _HEADER_PIECE
+                    or head.ptr != cur[-1].header.ptr + HEADER_SIZE):  # type: ignore[union-attr]
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(page)
+        size += n
+        prev = i
+    if cur:
+        out.append(cur)
+    return out
 
 
 class _EarlyVerifier:

@@ -51,7 +51,7 @@ from hicache_draft.config import ParallelConfig
 from hicache_draft.errors import BackendSetupError
 from hicache_draft.hookspecs import API_VERSION, hookimpl
 from hicache_draft.pools import HostPool, PoolSpec
-from hicache_draft.store import Store, _EarlyVerifier, _RecordWriter
+from hicache_draft.store import Store, _EarlyVerifier, _HeaderMaker, _RecordWriter
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer
 
 PAGE_SIZE = 4
@@ -557,14 +557,18 @@ class ConformanceSuite:
             groups = random_groups(32)
             pages = rig.pages(groups, [i % NUM_PAGES for i in range(32)], fill=True)
             for hook in ("page_set", "page_get"):
-                writes = hook == "page_set" and store.capabilities.writes_records  # the core writes the records
-                transfers = store.attach_headers([rig.transfer(pages)], made=hook == "page_set" and not writes)
+                caps = store.capabilities
+                writes = hook == "page_set" and caps.writes_records  # the core writes the records
+                on_demand = hook == "page_set" and not writes and caps.headers_on_demand  # ... or headers when asked
+                transfers = store.attach_headers([rig.transfer(pages)],
+                                                 made=hook == "page_set" and not writes and not on_demand)
                 t0 = time.monotonic()
                 deadline = time.monotonic() - 1.0
                 early = _EarlyVerifier(store, transfers)
                 extra: dict[str, object] = (
                     {"finished": early.finished, "read_records": early.read_records} if hook == "page_get" else
-                    {"write_records": _RecordWriter(transfers, deadline).write_records if writes else None}
+                    {"write_records": _RecordWriter(transfers, deadline).write_records if writes else None,
+                     "make_headers": _HeaderMaker(transfers, deadline).make_headers if on_demand else None}
                 )
                 answer = getattr(store.pm.hook, hook)(transfers=transfers, deadline=deadline, **extra)
                 took = time.monotonic() - t0

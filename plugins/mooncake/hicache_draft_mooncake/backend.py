@@ -151,6 +151,20 @@ def _size(nbytes: int) -> str:
 
 Finished = Callable[[str, Iterable[int]], None]
 """The core's ``finished(pool, indices)`` of a ``page_get``: those pages hold their final bytes."""
+MakeHeaders = Callable[[str, Sequence[int]], None]
+"""The core's ``make_headers(pool, indices)`` of a ``page_set``: those pages' headers, made now."""
+
+
+def _ask_headers(make_headers: MakeHeaders | None, jobs: list[_Job]) -> None:
+    """Ask the core for the headers of ``jobs`` (by pool), right before they are prepared to go out;
+    raises as the core does (the call has ended: nothing of these pages may go out)."""
+    if make_headers is None:
+        return
+    by_pool: dict[str, list[int]] = {}
+    for job in jobs:
+        by_pool.setdefault(job.pool, []).append(job.index)
+    for pool, indices in by_pool.items():
+        make_headers(pool, indices)
 
 
 def _announce(finished: Finished, jobs: list[_Job], results: dict[str, list[PageResult]]) -> None:
@@ -179,6 +193,7 @@ class MooncakeBackend(StorageBackend):
         split_heads=True,
         persistent=True,
         shared=True,
+        headers_on_demand=True,  # each sub-batch's headers are made while the one before moves
     )
     Options: ClassVar[type[MooncakeOptions]] = MooncakeOptions
 
@@ -465,9 +480,21 @@ class MooncakeBackend(StorageBackend):
                 outside, str(registration.pool),
             )
 
-    @hookimpl
-    def page_set(self, transfers: Sequence[PageTransfer], deadline: float) -> dict[str, list[PageResult]]:
-        return self._each_chunk("put", self._set_chunk, transfers, deadline)
+    @hookimpl(specname="page_set")
+    def _page_set_hook(
+        self, transfers: Sequence[PageTransfer], deadline: float, make_headers: MakeHeaders | None
+    ) -> dict[str, list[PageResult]]:
+        # every argument without a default: pluggy before 1.6 never passes one that has a default
+        return self.page_set(transfers, deadline, make_headers)
+
+    def page_set(
+        self, transfers: Sequence[PageTransfer], deadline: float, make_headers: MakeHeaders | None = None
+    ) -> dict[str, list[PageResult]]:
+        """Store pages. With ``make_headers`` (a Store call: the pages' headers are zeroed), each
+        sub-batch asks the core for its headers just before it is prepared, so the core hashes one
+        sub-batch while the one before moves; without it (a direct call), headers given with the
+        pages are stored, or made here."""
+        return self._each_chunk("put", partial(self._set_chunk, make_headers=make_headers), transfers, deadline)
 
     def _each_chunk(
         self,
@@ -503,7 +530,7 @@ class MooncakeBackend(StorageBackend):
 
     def _set_chunk(
         self, sess: Session, chunk: list[_Job], results: dict[str, list[PageResult]], deadline: float,
-        counts: Counter[str],
+        counts: Counter[str], make_headers: MakeHeaders | None = None,
     ) -> None:
         present = self._exist(sess, [j.key for j in chunk])
         todo: list[_Job] = []
@@ -520,7 +547,8 @@ class MooncakeBackend(StorageBackend):
         for group, is_staged in ((staged, True), (direct, False)):
             if not group or time.monotonic() >= deadline:
                 continue
-            prepare = partial(self._prepare_staged_put if is_staged else self._prepare_direct_put, sess)
+            prepare = partial(self._prepare_staged_put if is_staged else self._prepare_direct_put, sess,
+                              make_headers=make_headers)
             native = self._native_put_staged if is_staged else self._native_put_direct
 
             def finish(sub: list[_Job], prep: _Sub, rcs: list[int] | None) -> None:
@@ -529,7 +557,8 @@ class MooncakeBackend(StorageBackend):
             pipeline.run(self._subs(group, is_staged), prepare, native, finish, self._release, worker,
                          deadline)
 
-    def _prepare_staged_put(self, sess: Session, jobs: list[_Job]) -> _Sub:
+    def _prepare_staged_put(self, sess: Session, jobs: list[_Job], make_headers: MakeHeaders | None = None) -> _Sub:
+        _ask_headers(make_headers, jobs)
         sizes = [HEADER_SIZE + j.nbytes for j in jobs]
         arena = sess.mem.borrow(sum(sizes))
         sub = _Sub(jobs, sess, arena, sizes=sizes)
@@ -547,7 +576,8 @@ class MooncakeBackend(StorageBackend):
             off += size
         return sub
 
-    def _prepare_direct_put(self, sess: Session, jobs: list[_Job]) -> _Sub:
+    def _prepare_direct_put(self, sess: Session, jobs: list[_Job], make_headers: MakeHeaders | None = None) -> _Sub:
+        _ask_headers(make_headers, jobs)
         arena = sess.mem.borrow(HEADER_SIZE * len(jobs))
         sub = _Sub(jobs, sess, arena)
         mv, base = arena.view, arena.ptr

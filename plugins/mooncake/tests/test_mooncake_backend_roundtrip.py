@@ -339,3 +339,34 @@ def test_finished_names_each_ok_page_once_with_its_final_bytes(open_store, new_g
     if not shm:  # one announcement per native call (staged: sub-batches of one page; direct: chunks of
         # two pages), not one at the end; the call of the missing page announces nothing
         assert calls == ([[0], [1], [3], [4], [5]] if mode == "staged" else [[0, 1], [3], [4, 5]])
+
+
+@pytest.mark.parametrize("io_mode", ["staged", "direct"])
+def test_a_store_put_asks_the_core_for_each_sub_batchs_headers(open_store, new_groups, monkeypatch, io_mode):
+    """Through a Store the backend gets zeroed headers and asks ``make_headers`` for each sub-batch
+    right before preparing it (staged with a ``pipeline_bytes`` below a page: one sub-batch a page;
+    direct: one for the chunk);
+    what it stored comes back byte-exact and verified."""
+    import hicache_draft.store as store_mod
+
+    asked: list[tuple[str, list[int]]] = []
+    real = store_mod._HeaderMaker.make_headers
+
+    def spy(self, pool, indices):
+        asked.append((pool, list(indices)))
+        return real(self, pool, indices)
+
+    monkeypatch.setattr(store_mod._HeaderMaker, "make_headers", spy)
+    store = open_store(io_mode=io_mode, pipeline_bytes=1)
+    assert store.capabilities.headers_on_demand
+    w, r = make_rig(), make_rig()
+    for rig in (w, r):
+        store.register_pool(rig.registration())
+    w.fill_random()
+    g = new_groups(6)
+    assert store.page_set([w.transfer(w.pages(g, list(range(6))))])[PoolKind.KV] == [OK] * 6
+    assert sorted(i for _pool, idx in asked for i in idx) == list(range(6))
+    assert len(asked) == (1 if io_mode == "direct" else 6)
+    got, _ = store.page_get([r.transfer(r.pages(g, list(range(6))))])
+    assert got[PoolKind.KV] == [OK] * 6
+    assert [r.page_bytes(i) for i in range(6)] == [w.page_bytes(i) for i in range(6)]

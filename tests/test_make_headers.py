@@ -1,0 +1,172 @@
+"""``make_headers``: a backend that declares ``headers_on_demand`` asks the core for the headers of
+the pages it is about to send, a piece of the batch at a time.
+
+What it must keep: the headers are exactly the ones the core makes before a call (whatever the
+pages, pieces and order asked), a page sent without asking keeps a zero header and is never served,
+a page not in the call is refused by name, and once the call has returned or was abandoned nothing
+more is made: a backend that sleeps past its deadline and then asks gets an error, not a header."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hicache_draft.store as store_mod
+from hicache_draft import (
+    Buffer,
+    Capabilities,
+    Page,
+    PageResult,
+    PageTransfer,
+    PoolKind,
+    Store,
+    attach_headers,
+    hookimpl,
+)
+from hicache_draft.testing import MemoryBackend
+
+KV = PoolKind.KV
+NS = "ef" * 12
+pytestmark = pytest.mark.usefixtures("reset_memory_backend")
+
+
+def _pages(sizes: Sequence[int], pool: str = KV) -> tuple[list[Page], list[bytearray]]:
+    keep = [bytearray(os.urandom(n)) for n in sizes]
+    pages = [Page(f"{i:064x}.{NS}", f"{i:064x}", NS, (Buffer.of(b),)) for i, b in enumerate(keep)]
+    return pages, keep
+
+
+class OnDemand(MemoryBackend):
+    """A backend that sends its pages in pieces and asks the core for each piece's headers first
+    (after sleeping when told; ``skip``: indices it sends without asking)."""
+
+    capabilities: ClassVar[Capabilities] = MemoryBackend.capabilities.model_copy(update={"headers_on_demand": True})
+    piece: ClassVar[int] = 2
+    sleep_s: ClassVar[float] = 0.0
+    skip: ClassVar[set[int]] = set()
+    outcome: ClassVar[list[object]] = []
+
+    @hookimpl
+    def page_set(self, transfers: Sequence[PageTransfer], make_headers) -> dict[str, list[PageResult]]:  # noqa: ANN001
+        cls = type(self)
+        out = {}
+        for t in transfers:
+            assert all(not any(p.header.view()) for p in t.pages)  # zeroed: made when asked
+            res = [PageResult.FAILED] * len(t.pages)
+            time.sleep(cls.sleep_s)
+            for a in range(0, len(t.pages), cls.piece):
+                ask = [i for i in range(a, min(a + cls.piece, len(t.pages))) if i not in cls.skip]
+                try:
+                    make_headers(t.pool, ask)
+                except Exception as exc:  # noqa: BLE001 - what the core answered is the point
+                    cls.outcome.append(exc)
+                    break
+                for i in range(a, min(a + cls.piece, len(t.pages))):
+                    p = t.pages[i]
+                    self.data[p.key] = p.header.view().tobytes() + b"".join(b.view().tobytes() for b in p.buffers)
+                    res[i] = PageResult.OK
+            out[t.pool] = res
+        return out
+
+
+def _reset(**kw: object) -> None:
+    OnDemand.piece, OnDemand.sleep_s, OnDemand.skip, OnDemand.outcome = 2, 0.0, set(), []
+    for k, v in kw.items():
+        setattr(OnDemand, k, v)
+
+
+def _store() -> Store:
+    return Store("ondemand", OnDemand, OnDemand.capabilities, {"space": os.urandom(4).hex()})
+
+
+_SHARED = ThreadPoolExecutor(3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3 << 20), min_size=1, max_size=6), order=st.randoms(use_true_random=False),
+       shared=st.booleans())
+def test_the_headers_made_on_demand_are_the_ones_made_before_a_call(sizes, order, shared) -> None:
+    """Any pages, asked in any order and grouping (pieces of 1 MiB at most between checks), in the
+    asking thread or shared with the store's threads, get the headers the core makes before a call."""
+    pages, _keep = _pages(sizes)
+    before = attach_headers([PageTransfer(KV, pages)], made=True)[0].pages
+    zeroed = attach_headers([PageTransfer(KV, pages)], made=False)
+    maker = store_mod._HeaderMaker(zeroed, time.monotonic() + 60, _SHARED if shared else None)
+    idx = list(range(len(pages)))
+    order.shuffle(idx)
+    while idx:
+        n = order.randint(1, len(idx))
+        maker.make_headers(KV, idx[:n])
+        idx = idx[n:]
+    maker.close()
+    assert [p.header.view().tobytes() for p in zeroed[0].pages] == [p.header.view().tobytes() for p in before]
+
+
+def test_pages_sent_with_their_headers_come_back_and_one_sent_without_never_does() -> None:
+    _reset(skip={1})
+    store = _store()
+    try:
+        pages, keep = _pages([70_000, 4096, 3 << 20])
+        assert store.page_set([PageTransfer(KV, pages)])[KV] == [PageResult.OK] * 3
+        out = [bytearray(len(b)) for b in keep]
+        back = [Page(p.key, p.group, p.namespace, (Buffer.of(o),)) for p, o in zip(pages, out, strict=True)]
+        got, _ = store.page_get([PageTransfer(KV, back)])
+        assert got[KV] == [PageResult.OK, PageResult.CORRUPT, PageResult.OK]  # its header stayed zero
+        assert out[0] == keep[0] and out[2] == keep[2]
+    finally:
+        store.close()
+
+
+def test_a_page_not_in_the_call_is_refused_by_name() -> None:
+    pages, _keep = _pages([100, 100])
+    maker = store_mod._HeaderMaker(attach_headers([PageTransfer(KV, pages)], made=False), time.monotonic() + 60)
+    for pool, bad in ((KV, 2), (KV, -1), (KV, True), (KV, "0"), (PoolKind.DRAFT, 0)):
+        with pytest.raises(ValueError, match=f"no page {bad!r} of pool {pool!r}"):
+            maker.make_headers(pool, [0, bad])
+
+
+def test_a_backend_that_sleeps_past_its_deadline_then_asks_is_refused() -> None:
+    _reset(sleep_s=0.4)
+    store = _store()
+    try:
+        pages, _keep = _pages([65536, 2 << 20])
+        rep = store.call("page_set", [PageTransfer(KV, pages)], timeout_s=0.05)
+        assert rep.outcome == "timeout" and rep.results[KV] == [PageResult.FAILED] * 2
+        rep.released.result(timeout=30)
+        assert len(OnDemand.outcome) == 1 and isinstance(OnDemand.outcome[0], RuntimeError)
+        assert not store.backend.data  # nothing sent: no header was made for it
+    finally:
+        store.close()
+
+
+def test_the_store_hands_zeroed_headers_only_to_a_backend_that_declares_it() -> None:
+    """Decided from the declaration: the same backend without ``headers_on_demand`` gets headers
+    made before the call and ``make_headers=None``."""
+    seen: list[object] = []
+
+    class Declares(OnDemand):
+        pass
+
+    class DoesNot(MemoryBackend):
+        @hookimpl
+        def page_set(self, transfers, make_headers):  # noqa: ANN001, ANN202
+            seen.append(make_headers)
+            assert all(any(p.header.view()) for t in transfers for p in t.pages)  # made before the call
+            return {t.pool: [PageResult.OK] * len(t.pages) for t in transfers}
+
+    _reset()
+    for cls in (Declares, DoesNot):
+        store = Store(cls.__name__.lower(), cls, cls.capabilities, {"space": os.urandom(4).hex()})
+        try:
+            pages, _keep = _pages([1000, 2000])
+            assert store.page_set([PageTransfer(KV, pages)])[KV] == [PageResult.OK] * 2
+        finally:
+            store.close()
+    assert seen == [None]

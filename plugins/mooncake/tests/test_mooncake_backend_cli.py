@@ -98,7 +98,7 @@ def test_bench_quick_prints_every_ratio_and_goal_and_its_checks_hold():
                 assert r[f"{op}_ratio"] == pytest.approx(statistics.median(per_round), abs=2e-3)
         with_costs = [r for r in case if "costs_ms" in r]
         assert [r["variant"] for r in with_costs] == [auto]
-        assert set(with_costs[0]["costs_ms"]) >= {"core header", "core verify", "store hop", "exist",
+        assert set(with_costs[0]["costs_ms"]) >= {"core header", "core verify", "store over bare set", "exist",
                                                   "header slot set", "one object vs K/V set", "backend set"}
         assert with_costs[0]["costs_ms"]["core header"] > 0
         stored = [r for r in case if r["variant"] in ("baseline", "baseline, 2nd client", auto)]

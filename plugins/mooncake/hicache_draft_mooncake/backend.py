@@ -432,11 +432,11 @@ class MooncakeBackend(StorageBackend):
     def _subs(self, jobs: list[_Job], staged: bool) -> list[list[_Job]]:
         """The native calls of one chunk. Staged: sub-batches of ``pipeline_bytes`` (at most
         ``max_staging_bytes``), so the copies of one overlap the transfer of the next. Direct: one
-        call per chunk. The core made the headers before a put and verifies after a get, so a
-        direct sub-batch has no work of the backend's to overlap, and each extra call costs its
-        master RPCs and drains the transport (measured: 10-30% of a 1 MiB batch over TCP; a get
-        split so that the core verifies one sub-batch while the next moves was slower too on 2
-        cores). A get announces each chunk to the core (``finished``) as soon as it landed."""
+        call per chunk. A direct sub-batch has no copy of the backend's to overlap (the core makes
+        its headers when asked, just before it goes, and verifies after a get), and each extra call
+        costs its master RPCs and drains the transport (measured: 10-30% of a 1 MiB batch over TCP;
+        a get split so that the core verifies one sub-batch while the next moves was slower too on
+        2 cores). A get announces each chunk to the core (``finished``) as soon as it landed."""
         if not staged:
             return [jobs]
         limit = self.opts.pipeline_bytes
@@ -711,8 +711,9 @@ class MooncakeBackend(StorageBackend):
             counts[_STAT[res]] += 1
 
     def _header(self, sess: Session, job: _Job, payload: list[memoryview] | None) -> bytes | memoryview:
-        """The header stored with a page: the core's (made before the call from the bytes handed
-        over, so a late read of reused memory never matches it), or one made here."""
+        """The header stored with a page: the core's (made from the bytes handed over, before the
+        call or when asked just before the page goes out, never once the call has ended, so a late
+        read of reused memory never matches it), or one made here (a direct call without one)."""
         page = job.page
         if page.header is not None:
             return page.header.view()

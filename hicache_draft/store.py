@@ -8,14 +8,17 @@ into the serving loop.
 
 Integrity lives here, for every backend and both paths: :meth:`Store.page_set` makes each page's
 header (key digest, namespace, length, xxh3 of the bytes handed over) before the call and gives it
-to the backend to store; :meth:`Store.page_get` gives the backend a zeroed header buffer per page
+to the backend to store (for a backend that declares ``writes_records`` it makes each header as it
+writes the record itself, for one that declares ``headers_on_demand`` when the backend asks, just
+before the page goes out; neither once the call has ended); :meth:`Store.page_get` gives the backend
+a zeroed header buffer per page
 and, after the call, checks every page reported ``OK`` against its key and the bytes in its
 buffers. A lying, tearing, partly filling or foreign answer is ``CORRUPT``, never data.
 
 A call that outlives its deadline is abandoned: its pages are ``FAILED`` whatever it returns
 later, and the tracked variants hand back a future that completes when the backend no longer
 touches the buffers. A late zero-copy ``page_set`` that reads slots after they were reused stores
-bytes that no longer match the header made before the call, so every later read of them is
+bytes that no longer match the header made while the call was on, so every later read of them is
 ``CORRUPT``: a late write is never served as data.
 """
 

@@ -25,6 +25,8 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "_native_team.h"
+
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -683,53 +685,48 @@ typedef struct {
     int last;   /* the page's last piece: its payload is complete once this one is */
 } piece;
 
-/* read_check(fd, offset, pages, codes, namespace_bytes, chunk) -> (bytes read, [indices that fail])
- *
- * `pages` are stored back to back from `offset` in the core's page format (each: its 64-byte
- * header, then its payload): read them into each page's header and buffers in calls of at most
- * `chunk` bytes, hash each payload part right after it arrives (while it is in this core's cache),
- * and check every header against the one made for the page's key, namespace, pool and the bytes
- * read. A page not read whole (end of file) fails. The GIL is released throughout. */
-static PyObject *read_check(PyObject *self, PyObject *args) {
+/* One run of stored pages to read and verify: loaded with the GIL, read without it. */
+typedef struct {
     int fd;
     long long offset, chunk;
-    PyObject *items, *codes, *fallback;
-    if (!PyArg_ParseTuple(args, "iLOOOL:read_check", &fd, &offset, &items, &codes, &fallback, &chunk)) return NULL;
-    if (offset < 0 || chunk <= 0) return PyErr_Format(PyExc_ValueError, "negative offset or non-positive chunk");
     batch b;
-    if (batch_load(&b, items, codes, fallback, 2) < 0) {
-        batch_free(&b);
-        return NULL;
+    long long total;    /* bytes read */
+    int err;            /* errno of a failed read (ENOMEM: no memory for the run) */
+    int late;           /* not started: the deadline had passed */
+    int check;          /* verify (0: only read, for benchmarks' bare variant) */
+    unsigned char *bad; /* per page: 1 unless it was read whole and verified */
+} run_state;
+
+/* Read `r`'s pages back to back from its offset in calls of at most `chunk` bytes, hash each
+ * payload part right after it arrives (while it is in this core's cache) and check every header
+ * against the one made for the page's key, namespace, pool and the bytes read. No GIL needed. */
+static void run_read(run_state *r, double deadline) {
+    batch *b = &r->b;
+    if (isfinite(deadline) && monotonic_now() > deadline) {
+        r->late = 1;
+        return;
     }
     Py_ssize_t np = 0;
-    piece *pieces = malloc(sizeof(piece) * (size_t)(b.n + b.payload.n + 1));
-    unsigned char *bad = calloc((size_t)(b.n ? b.n : 1), 1);
+    piece *pieces = malloc(sizeof(piece) * (size_t)(b->n + b->payload.n + 1));
     struct iovec *call = malloc(sizeof(struct iovec) * IOV_MAX);
     XXH3_state_t *st = XXH3_createState();
-    if (pieces == NULL || bad == NULL || call == NULL || st == NULL) {
-        free(pieces);
-        free(bad);
-        free(call);
-        XXH3_freeState(st);
-        batch_free(&b);
-        return PyErr_NoMemory();
+    if (pieces == NULL || call == NULL || st == NULL) {
+        r->err = ENOMEM;
+        goto done;
     }
-    for (Py_ssize_t i = 0; i < b.n; i++) {
-        page_job *j = &b.jobs[i];
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        page_job *j = &b->jobs[i];
         pieces[np++] = (piece){j->header, HEADER_SIZE, i, 1, 1};
         for (Py_ssize_t k = j->first; k < j->first + j->count; k++) {
-            if (b.payload.iov[k].iov_len == 0) continue;
+            if (b->payload.iov[k].iov_len == 0) continue;
             pieces[np - 1].last = 0;
-            pieces[np++] = (piece){b.payload.iov[k].iov_base, b.payload.iov[k].iov_len, i, 0, 1};
+            pieces[np++] = (piece){b->payload.iov[k].iov_base, b->payload.iov[k].iov_len, i, 0, 1};
         }
-        bad[i] = 1; /* until verified */
     }
-    long long total = 0;
-    int err = 0;
+    long long offset = r->offset, chunk = r->chunk;
     Py_ssize_t at = 0; /* the piece being filled, and how much of it is */
     size_t done_in = 0;
     uint64_t page_len = 0;
-    Py_BEGIN_ALLOW_THREADS
     while (at < np) {
         int cnt = 0;
         size_t want = 0;
@@ -748,15 +745,15 @@ static PyObject *read_check(PyObject *self, PyObject *args) {
                 o = 0;
             }
         }
-        ssize_t got = preadv(fd, call, cnt, (off_t)offset);
+        ssize_t got = preadv(r->fd, call, cnt, (off_t)offset);
         if (got < 0) {
             if (errno == EINTR) continue;
-            err = errno;
+            r->err = errno;
             break;
         }
         if (got == 0) break; /* end of file: the pages not read whole fail */
         offset += got;
-        total += got;
+        r->total += got;
         size_t left = (size_t)got;
         while (left > 0) { /* hash what arrived, piece by piece, and finish the pages it completes */
             piece *pc = &pieces[at];
@@ -767,49 +764,181 @@ static PyObject *read_check(PyObject *self, PyObject *args) {
                     hash->reset(st);
                     page_len = 0;
                 }
-            } else {
+            } else if (r->check) {
                 hash->update(st, pc->p + done_in, take);
                 page_len += take;
             }
             done_in += take;
             left -= take;
             if (done_in == pc->len) {
-                if (pc->last) {
+                if (pc->last && !r->check) {
+                    r->bad[pc->page] = 0;
+                } else if (pc->last) {
                     unsigned char made[HEADER_SIZE];
-                    page_job *j = &b.jobs[pc->page];
+                    page_job *j = &b->jobs[pc->page];
                     make_header_of(j, page_len, hash->digest(st), made);
-                    bad[pc->page] = memcmp(made, j->header, HEADER_SIZE) != 0;
+                    r->bad[pc->page] = memcmp(made, j->header, HEADER_SIZE) != 0;
                 }
                 at++;
                 done_in = 0;
             }
         }
     }
-    Py_END_ALLOW_THREADS
+done:
     XXH3_freeState(st);
     free(call);
     free(pieces);
-    PyObject *res = NULL;
-    if (err) {
-        errno = err;
-        PyErr_SetFromErrno(PyExc_OSError);
-    } else {
-        PyObject *lst = PyList_New(0);
-        for (Py_ssize_t i = 0; lst != NULL && i < b.n; i++) {
-            if (!bad[i]) continue;
-            PyObject *v = PyLong_FromSsize_t(i);
-            if (v == NULL || PyList_Append(lst, v) < 0) Py_CLEAR(lst);
-            Py_XDECREF(v);
-        }
-        if (lst != NULL) {
-            res = Py_BuildValue("(LO)", total, lst);
-            Py_DECREF(lst);
-        }
+}
+
+/* Load a run (pages with header buffers written into, their pool codes) with the GIL. */
+static int run_load(run_state *r, int fd, long long offset, PyObject *items, PyObject *codes, PyObject *fallback,
+                    long long chunk) {
+    memset(r, 0, sizeof(*r));
+    if (offset < 0 || chunk <= 0) {
+        PyErr_SetString(PyExc_ValueError, "negative offset or non-positive chunk");
+        return -1;
     }
-    free(bad);
-    batch_free(&b);
+    r->fd = fd;
+    r->offset = offset;
+    r->chunk = chunk;
+    r->check = 1;
+    if (batch_load(&r->b, items, codes, fallback, 2) < 0) return -1;
+    r->bad = malloc((size_t)(r->b.n ? r->b.n : 1));
+    if (r->bad == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memset(r->bad, 1, (size_t)(r->b.n ? r->b.n : 1)); /* until verified */
+    return 0;
+}
+
+static void run_free(run_state *r) {
+    free(r->bad);
+    batch_free(&r->b);
+    memset(r, 0, sizeof(*r));
+}
+
+/* (bytes read, [indices of pages that fail]) of a run read without error. */
+static PyObject *run_result(const run_state *r) {
+    PyObject *lst = PyList_New(0);
+    for (Py_ssize_t i = 0; lst != NULL && i < r->b.n; i++) {
+        if (!r->bad[i]) continue;
+        PyObject *v = PyLong_FromSsize_t(i);
+        if (v == NULL || PyList_Append(lst, v) < 0) Py_CLEAR(lst);
+        Py_XDECREF(v);
+    }
+    if (lst == NULL) return NULL;
+    PyObject *res = Py_BuildValue("(LO)", r->total, lst);
+    Py_DECREF(lst);
     return res;
 }
+
+/* read_check(fd, offset, pages, codes, namespace_bytes, chunk) -> (bytes read, [indices that fail])
+ *
+ * `pages` are stored back to back from `offset` in the core's page format (each: its 64-byte
+ * header, then its payload): read them into each page's header and buffers and verify each as it
+ * lands (run_read). A page not read whole (end of file) fails. The GIL is released throughout. */
+static PyObject *read_check(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset, chunk;
+    PyObject *items, *codes, *fallback;
+    if (!PyArg_ParseTuple(args, "iLOOOL:read_check", &fd, &offset, &items, &codes, &fallback, &chunk)) return NULL;
+    run_state r;
+    if (run_load(&r, fd, offset, items, codes, fallback, chunk) < 0) {
+        run_free(&r);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run_read(&r, INFINITY);
+    Py_END_ALLOW_THREADS
+    PyObject *res = NULL;
+    if (r.err) {
+        errno = r.err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        res = run_result(&r);
+    }
+    run_free(&r);
+    return res;
+}
+
+typedef struct {
+    run_state *runs;
+    double deadline;
+} runs_ctx;
+
+static void read_one(void *ctx, ptrdiff_t i) {
+    runs_ctx *c = ctx;
+    run_read(&c->runs[i], c->deadline);
+}
+
+/* read_runs(runs, namespace_bytes, chunk, threads, deadline, check=True) -> one result per run
+ *
+ * `runs`: (fd, offset, pages, codes) each, read and verified as read_check does it, shared by the
+ * calling thread and up to threads - 1 helpers (_native_team.c), each taking the next run as it
+ * gets free. A run's result: (bytes read, [indices that fail]); an OSError if a read failed; None
+ * if it was not started because `deadline` (time.monotonic) had passed. Returns once no thread
+ * touches any page any more. The GIL is released while reading. `check` false: read only, every
+ * page read whole passes (the benchmarks' bare variant). */
+static PyObject *read_runs(PyObject *self, PyObject *args) {
+    PyObject *seq, *fallback;
+    long long chunk;
+    int threads, check = 1;
+    double deadline;
+    if (!PyArg_ParseTuple(args, "OOLid|p:read_runs", &seq, &fallback, &chunk, &threads, &deadline, &check))
+        return NULL;
+    PyObject *t = PySequence_Tuple(seq);
+    if (t == NULL) return NULL;
+    Py_ssize_t n = PyTuple_Size(t);
+    run_state *runs = calloc((size_t)(n ? n : 1), sizeof(run_state));
+    if (runs == NULL) {
+        Py_DECREF(t);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t loaded = 0;
+    PyObject *out = NULL;
+    for (; loaded < n; loaded++) {
+        int fd;
+        long long offset;
+        PyObject *items, *codes;
+        PyObject *it = PyTuple_GetItem(t, loaded);
+        if (!PyTuple_Check(it)) {
+            PyErr_SetString(PyExc_TypeError, "a run is (fd, offset, pages, codes)");
+            goto fail;
+        }
+        if (!PyArg_ParseTuple(it, "iLOO:read_runs run", &fd, &offset, &items, &codes)) goto fail;
+        if (run_load(&runs[loaded], fd, offset, items, codes, fallback, chunk) < 0) {
+            loaded++; /* partly loaded: freed below */
+            goto fail;
+        }
+        runs[loaded].check = check;
+    }
+    runs_ctx ctx = {runs, deadline};
+    Py_BEGIN_ALLOW_THREADS
+    hcd_team_run(read_one, &ctx, n, threads);
+    Py_END_ALLOW_THREADS
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        run_state *r = &runs[i];
+        PyObject *v;
+        if (r->late) {
+            v = Py_None;
+            Py_INCREF(v);
+        } else if (r->err) {
+            v = PyObject_CallFunction(PyExc_OSError, "is", r->err, strerror(r->err));
+        } else {
+            v = run_result(r);
+        }
+        if (v == NULL || PyList_SetItem(out, i, v) < 0) Py_CLEAR(out);
+    }
+fail:
+    for (Py_ssize_t i = 0; i < loaded; i++) run_free(&runs[i]);
+    free(runs);
+    Py_DECREF(t);
+    return out;
+}
+
+static PyObject *team_helped(PyObject *self, PyObject *unused) { return PyLong_FromLongLong(hcd_team_helped()); }
 
 /* ---- pages with headers ------------------------------------------------------------------- */
 
@@ -921,6 +1050,12 @@ static PyMethodDef methods[] = {
     {"read_check", read_check, METH_VARARGS,
      "read_check(fd, offset, pages, codes, namespace_bytes, chunk) -> (bytes read, indices of pages that "
      "fail): stored pages read back to back and verified as they land."},
+    {"read_runs", read_runs, METH_VARARGS,
+     "read_runs(runs, namespace_bytes, chunk, threads, deadline, check=True) -> per run (bytes read, indices of pages that "
+     "fail), an OSError or None (not started by the deadline): runs (fd, offset, pages, codes) read and verified "
+     "as read_check does, shared by the calling thread and up to threads - 1 helper threads."},
+    {"team_helped", team_helped, METH_NOARGS,
+     "team_helped() -> how many times a helper thread took part in a read_runs call (tests)."},
     {"read_into", read_into, METH_VARARGS,
      "read_into(fd, offset, buffers) -> bytes read (fewer only at end of file)."},
     {"with_headers", with_headers, METH_VARARGS,

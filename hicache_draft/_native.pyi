@@ -15,6 +15,11 @@ def read_check(
     fd: int, offset: int, pages: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes],
     chunk: int,
 ) -> tuple[int, list[int]]: ...
+def read_runs(
+    runs: Sequence[tuple[int, int, Sequence[object], int | bytes]], namespace_bytes: Callable[[str], bytes],
+    chunk: int, threads: int, deadline: float, check: bool = True,
+) -> list[tuple[int, list[int]] | OSError | None]: ...
+def team_helped() -> int: ...
 def write_records(
     fd: int, offset: int, pages: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes],
     chunk: int, deadline: float,

@@ -89,6 +89,7 @@ def page_get(
     deadline: float,
     finished: Callable[[PoolKind, Iterable[int]], None],
     read_records: Callable[[int, int, Sequence[tuple[str, int]]], int],
+    read_runs: Callable[[Sequence[tuple[int, int, Sequence[tuple[str, int]]]], int], list[int | OSError | None]],
 ) -> Mapping[str, Sequence[PageResult]]:
     """Load pages into the given buffers, which the backend fills completely, and each page's
     stored 64-byte header into ``page.header``.
@@ -110,6 +111,12 @@ def page_get(
     pass over the memory instead of two), without the GIL; it returns the bytes read (fewer only at
     end of file) and the pages count as finished. It raises ``OSError`` as a read would, and
     ``RuntimeError`` once the call has been abandoned (its memory is no longer yours).
+
+    ``read_runs(runs, threads)`` (optional to use; ``runs``: ``(fd, offset, pages)`` each): many
+    ``read_records`` in one call, shared by your thread and up to ``threads - 1`` of the core's
+    own threads (compiled, no GIL: they start together and each takes the next run as it gets
+    free). Per run it returns the bytes read, the ``OSError`` its read raised, or ``None`` when the
+    run was not started by ``deadline``; a run that was read counts as finished.
     A page whose result is not ``OK`` may have buffers partly written; the controller treats
     them as garbage. Once ``page_get`` has returned, it must not touch the buffers again.
     """

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -237,9 +238,10 @@ class Store:
         early: _EarlyVerifier | None = None
         writer: _RecordWriter | _HeaderMaker | None = None
         if hook == "page_get":
-            early = _EarlyVerifier(self, transfers)
+            early = _EarlyVerifier(self, transfers, deadline)
             kwargs["finished"] = early.finished
             kwargs["read_records"] = early.read_records
+            kwargs["read_runs"] = early.read_runs
         else:  # every spec argument is passed (pluggy warns otherwise)
             writer = (_RecordWriter(transfers, deadline) if writes else
                       _HeaderMaker(transfers, deadline, self._verifiers()) if on_demand else None)
@@ -646,8 +648,9 @@ class _EarlyVerifier:
     counts, is still decided here: pages the backend did not announce are checked after the call,
     and only pages the backend finally reports ``OK`` can count as restored."""
 
-    def __init__(self, store: Store, transfers: Sequence[PageTransfer]) -> None:
+    def __init__(self, store: Store, transfers: Sequence[PageTransfer], deadline: float = math.inf) -> None:
         self.store = store
+        self.deadline = deadline  # read_runs starts no run after it
         self.pages = {t.pool: t.pages for t in transfers}
         # per pool, per page: the check that started early (None: not started)
         self.started: dict[str, list[Future[list[Any]] | None]] = {t.pool: [None] * len(t.pages) for t in transfers}
@@ -687,47 +690,103 @@ class _EarlyVerifier:
         (the hash reads each piece right after it lands). Returns the bytes read (fewer only at
         end of file); the pages count as finished. Raises once the call was abandoned (its memory
         may be someone else's) and for a page named twice or already announced."""
+        with self.lock:
+            if not self.open:
+                raise RuntimeError("read_records after the page_get call ended or was abandoned")
+            marked = self._mark_run(pages)
+        pages, run, codes, fut = marked
+        try:
+            nread, failed = _native.read_check(fd, offset, run, codes, namespace_bytes, _RECORD_CHUNK)
+        except BaseException as exc:  # nothing read counts: checked again after the call, if reported OK
+            self._undo(marked, exc)
+            raise
+        fut.set_result(_named([(pages[j][0], pages[j][1], run[j]) for j in failed]) if failed else [])
+        return nread
+
+    def read_runs(
+        self, runs: Sequence[tuple[int, int, Sequence[tuple[str, int]]]], threads: int
+    ) -> list[int | OSError | None]:
+        """``read_records`` for many runs ``(fd, offset, pages)`` at once, shared by this thread and
+        up to ``threads - 1`` of the core's helper threads (compiled, no GIL: they start together,
+        and each takes the next run as it gets free). Per run: the bytes read, the ``OSError`` its
+        read raised, or ``None`` when it was not started by the call's deadline; the pages of a
+        run that was read count as finished. Raises as ``read_records`` does, before reading
+        anything, for a page not in the call, named twice or already read."""
+        marks: list[tuple[Sequence[tuple[str, int]], list[Page], int | bytes, Future[list[Any]]]] = []
+        with self.lock:
+            if not self.open:
+                raise RuntimeError("read_runs after the page_get call ended or was abandoned")
+            try:
+                for _fd, _offset, pages in runs:
+                    marks.append(self._mark_run(pages))
+            except BaseException:
+                for pages, _run, _codes, _fut in marks:
+                    self._unmark(pages)
+                raise
+        todo = [(fd, offset, m[1], m[2]) for (fd, offset, _pages), m in zip(runs, marks, strict=True)]
+        try:
+            got = _native.read_runs(todo, namespace_bytes, _RECORD_CHUNK, max(1, threads), self.deadline)
+        except BaseException as exc:
+            for m in marks:
+                self._undo(m, exc)
+            raise
+        out: list[int | OSError | None] = []
+        for m, res in zip(marks, got, strict=True):
+            if res.__class__ is tuple:
+                nread, failed = res  # type: ignore[misc]
+                pages, run = m[0], m[1]
+                m[3].set_result(_named([(pages[j][0], pages[j][1], run[j]) for j in failed]) if failed else [])
+                out.append(nread)
+            else:
+                self._undo(m, res if isinstance(res, OSError) else TimeoutError("run not started by the deadline"))
+                out.append(res)  # type: ignore[arg-type]
+        return out
+
+    def _mark_run(
+        self, pages: Sequence[tuple[str, int]]
+    ) -> tuple[Sequence[tuple[str, int]], list[Page], int | bytes, Future[list[Any]]]:
+        """Mark a run's pages as read by the core (under the lock): ``(pages, their Page objects,
+        their pool codes, the run's check)``; raises, unmarking the run, for a page not in the call,
+        named twice or already read or announced."""
         if not isinstance(pages, (list, tuple)):
             pages = list(pages)
         run: list[Page] = []  # run[j] is pages[j]: the pages marked so far
         fut: Future[list[Any]] = Future()
         mixed = False
-        with self.lock:
-            if not self.open:
-                raise RuntimeError("read_records after the page_get call ended or was abandoned")
-            last: object = None
-            got: Sequence[Page] = ()
-            slots: list[Future[list[Any]] | None] = []
-            pool: object = None
-            i: Any = None
-            try:
-                for pool, i in pages:
-                    if pool is not last:  # a run is mostly of one pool
-                        mixed = last is not None
-                        got, slots, last = self.pages.get(pool, ()), self.started.get(pool, []), pool
-                    if i < 0 or i.__class__ is not int:  # a TypeError (not comparable) is refused below too
-                        raise IndexError
-                    page = got[i]
-                    if slots[i] is not None:
-                        raise ValueError(f"read_records: page {i} of pool {pool!r} was already read or announced")
-                    slots[i] = fut
-                    run.append(page)
-            except (IndexError, TypeError):
-                self._unmark(pages[: len(run)])
-                raise ValueError(f"read_records: no page {i!r} of pool {pool!r} in this call") from None
-            except BaseException:
-                self._unmark(pages[: len(run)])
-                raise
-        codes: int | bytes = pool_code(last) if run and not mixed else bytes(pool_code(p) for p, _i in pages)
+        last: object = None
+        got: Sequence[Page] = ()
+        slots: list[Future[list[Any]] | None] = []
+        pool: object = None
+        i: Any = None
         try:
-            nread, failed = _native.read_check(fd, offset, run, codes, namespace_bytes, _RECORD_CHUNK)
-        except BaseException as exc:  # nothing read counts: checked again after the call, if reported OK
-            with self.lock:
-                self._unmark(pages[: len(run)])
-            fut.set_exception(exc)
+            for pool, i in pages:
+                if pool is not last:  # a run is mostly of one pool
+                    mixed = mixed or last is not None
+                    got, slots, last = self.pages.get(pool, ()), self.started.get(pool, []), pool
+                if i < 0 or i.__class__ is not int:  # a TypeError (not comparable) is refused below too
+                    raise IndexError
+                page = got[i]
+                if slots[i] is not None:
+                    raise ValueError(f"read_records: page {i} of pool {pool!r} was already read or announced")
+                slots[i] = fut
+                run.append(page)
+        except (IndexError, TypeError):
+            self._unmark(pages[: len(run)])
+            raise ValueError(f"read_records: no page {i!r} of pool {pool!r} in this call") from None
+        except BaseException:
+            self._unmark(pages[: len(run)])
             raise
-        fut.set_result(_named([(pages[j][0], pages[j][1], run[j]) for j in failed]) if failed else [])
-        return nread
+        codes: int | bytes = pool_code(last) if run and not mixed else bytes(pool_code(p) for p, _i in pages)
+        return pages, run, codes, fut
+
+    def _undo(
+        self, mark: tuple[Sequence[tuple[str, int]], list[Page], int | bytes, Future[list[Any]]], exc: BaseException
+    ) -> None:
+        """A run that was not read: nothing of it counts (its pages are checked after the call if
+        reported OK, and may be read again)."""
+        with self.lock:
+            self._unmark(mark[0])
+        mark[3].set_exception(exc)
 
     def _unmark(self, marked: Sequence[tuple[str, int]]) -> None:
         for pool, i in marked:

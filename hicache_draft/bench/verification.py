@@ -8,9 +8,10 @@ back to back, into the same destination memory:
 * ``bare``: the backend's own ``page_get`` hook with the same headers and nothing verified, run
   as the store runs every call (on its worker threads, bounded by its deadline: that hand-over is
   the price of the bound, not of verification, and costs both variants the same); a
-  backend that hands runs of records to the core (``read_records``) gets one that reads them the
-  same way (one :func:`~hicache_draft.read_into` per run) and checks nothing, so both variants
-  share the backend's plan, threads and reads, and differ only in the verification.
+  backend that hands runs of records to the core (``read_records``, ``read_runs``) gets one that
+  reads them the same way (one :func:`~hicache_draft.read_into` per run; the same compiled threads
+  with the check left out) and checks nothing, so both variants share the backend's plan, threads
+  and reads, and differ only in the verification.
 
 The ratio ``(store - bare) / store`` is the share of ``page_get`` time the verification costs.
 Medians over ``rounds``; the two variants alternate so that drift hits both.
@@ -96,6 +97,22 @@ def _pages(region: bytearray, groups: list[str], namespace: str, page_bytes: int
         Page(make_key(g, namespace), g, namespace, (Buffer(whole.ptr + i * page_bytes, page_bytes, owner=whole),))
         for i, g in enumerate(groups)
     ]
+
+
+def _unchecked_runs(
+    transfers: Sequence[PageTransfer], deadline: float
+) -> Callable[[Sequence[tuple[int, int, Sequence[tuple[str, int]]]], int], list[int | OSError | None]]:
+    """A ``read_runs`` that reads the runs on the same threads in the same way and checks nothing
+    (the ``bare`` variant)."""
+    pages = {t.pool: t.pages for t in transfers}
+
+    def read(runs: Sequence[tuple[int, int, Sequence[tuple[str, int]]]], threads: int) -> list[int | OSError | None]:
+        todo = [(fd, offset, [pages[p][i] for p, i in run], bytes(pool_code(p) for p, _i in run))
+                for fd, offset, run in runs]
+        got = _native.read_runs(todo, namespace_bytes, _RECORD_CHUNK, max(1, threads), deadline, False)
+        return [r[0] if isinstance(r, tuple) else r for r in got]
+
+    return read
 
 
 def _unchecked_reader(transfers: Sequence[PageTransfer]) -> Callable[[int, int, Sequence[tuple[str, int]]], int]:
@@ -186,7 +203,7 @@ def measure(
             deadline = time.monotonic() + store.timeout_s
             status, _, _ = store._call("page_get", {  # the store's own bounded call, nothing verified
                 "transfers": transfers, "deadline": deadline, "finished": lambda pool, idx: None,
-                "read_records": _unchecked_reader(transfers),
+                "read_records": _unchecked_reader(transfers), "read_runs": _unchecked_runs(transfers, deadline),
             }, deadline)
             timed["bare"].append(time.perf_counter() - t0)
             if status != "ok":

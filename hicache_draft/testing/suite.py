@@ -564,9 +564,10 @@ class ConformanceSuite:
                                                  made=hook == "page_set" and not writes and not on_demand)
                 t0 = time.monotonic()
                 deadline = time.monotonic() - 1.0
-                early = _EarlyVerifier(store, transfers)
+                early = _EarlyVerifier(store, transfers, deadline)
                 extra: dict[str, object] = (
-                    {"finished": early.finished, "read_records": early.read_records} if hook == "page_get" else
+                    {"finished": early.finished, "read_records": early.read_records, "read_runs": early.read_runs}
+                    if hook == "page_get" else
                     {"write_records": _RecordWriter(transfers, deadline).write_records if writes else None,
                      "make_headers": _HeaderMaker(transfers, deadline).make_headers if on_demand else None}
                 )

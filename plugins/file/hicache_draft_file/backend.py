@@ -151,6 +151,7 @@ _POOL_CAP = PoolCapability(
 _Item = tuple[int, int, str, int, Page]
 _Finished = Callable[[str, Iterable[int]], None]
 _ReadRecords = Callable[[int, int, Sequence[tuple[str, int]]], int]
+_ReadRuns = Callable[[Sequence[tuple[int, int, Sequence[tuple[str, int]]]], int], list[int | OSError | None]]
 _WriteRecords = Callable[[int, int, Sequence[tuple[str, int]], int], int]
 
 
@@ -494,9 +495,9 @@ class FileBackend(StorageBackend):
     @hookimpl(specname="page_get")
     def _page_get_hook(
         self, transfers: Sequence[PageTransfer], deadline: float, finished: _Finished | None,
-        read_records: _ReadRecords | None,
+        read_records: _ReadRecords | None, read_runs: _ReadRuns | None,
     ) -> dict[str, list[PageResult]]:
-        return self.page_get(transfers, deadline, finished, read_records)
+        return self.page_get(transfers, deadline, finished, read_records, read_runs)
 
     def page_set(
         self, transfers: Sequence[PageTransfer], deadline: float, write_records: _WriteRecords | None = None
@@ -689,6 +690,7 @@ class FileBackend(StorageBackend):
         deadline: float,
         finished: _Finished | None = None,
         read_records: _ReadRecords | None = None,
+        read_runs: _ReadRuns | None = None,
     ) -> dict[str, list[PageResult]]:
         results = {t.pool: [PageResult.MISS] * len(t.pages) for t in transfers}
         self._poll()
@@ -726,7 +728,7 @@ class FileBackend(StorageBackend):
                         last = plan[seg] = [] if got is None else got
                     last.append((index.offsets[rec], stored, pool, i, page))
         if plan:
-            self._read_plan(plan, results, deadline, finished or _not_told, read_records)
+            self._read_plan(plan, results, deadline, finished or _not_told, read_records, read_runs)
         return results
 
     def _read_plan(
@@ -736,15 +738,22 @@ class FileBackend(StorageBackend):
         deadline: float,
         finished: _Finished,
         read_records: _ReadRecords | None = None,
+        read_runs: _ReadRuns | None = None,
     ) -> None:
         """Read every planned page. Each segment's pages are sorted by offset and cut into runs of
         adjacent records (one ``preadv`` each); the runs of all segments are shared, contiguously
         and by bytes, among the calling thread and the worker pool. A share checks the deadline
-        before each run and reports each run's pages finished as soon as their headers passed."""
+        before each run and reports each run's pages finished as soon as their headers passed.
+        With the core's ``read_runs`` (every page carries the core's header), all runs go to the
+        core in one call instead: its threads read and verify them, each taking the next run."""
         reads: list[_SegRead] = []
         runs: list[tuple[_SegRead, int, int]] = []
         weights: list[int] = []
         run_max = None
+        if read_runs is not None and all(it[4].header is not None for items in plan.values() for it in items):
+            read_records = None  # runs of at most _RUN_MAX_BYTES: small enough to share out evenly
+        else:
+            read_runs = None
         if read_records is not None:  # the core reads a run in cache-sized pieces itself: about one run a thread
             total = sum(HEADER_SIZE * len(items) + sum(it[1] for it in items) for items in plan.values())
             run_max = max(_RUN_MAX_BYTES, _SHARE_MIN_VERIFIED, -(-total // self.workers))
@@ -772,6 +781,16 @@ class FileBackend(StorageBackend):
         def share(part: list[tuple[_SegRead, int, int]]) -> None:
             _read_share(part, results, finished, deadline, read_records)
 
+        if read_runs is not None:
+            try:
+                _read_by_core(runs, results, read_runs, self.workers, deadline)
+            finally:  # the core's threads are done: no thread uses a descriptor or a buffer any more
+                for sr in reads:
+                    try:
+                        self._settle_read(sr, results)
+                    finally:
+                        self._release(sr.handle)
+            return
         if read_records is not None:  # the core reads and verifies each run without the GIL
             share_min = _SHARE_MIN_VERIFIED
         else:  # small records are dominated by per-page Python work (see _SHARE_MIN_RECORD)
@@ -1285,6 +1304,50 @@ def _read_share(
         finished(pool, indices)
 
 
+def _records_read(
+    run: list[_Item], end: int, results: dict[str, list[PageResult]], bad: list[tuple[str, int, str]]
+) -> int:
+    """The pages of a run the core read up to ``end`` of the file (and verified): ``OK`` where whole,
+    a truncated segment where not. Returns the bytes found OK."""
+    ok = 0
+    for off, n, pool, i, _page in run:
+        if off + HEADER_SIZE + n > end:
+            bad.append((pool, i, "truncated segment"))
+            continue
+        results[pool][i] = _OK
+        ok += HEADER_SIZE + n
+    return ok
+
+
+def _read_by_core(
+    runs: Sequence[tuple[_SegRead, int, int]],
+    results: dict[str, list[PageResult]],
+    read_runs: _ReadRuns,
+    threads: int,
+    deadline: float,
+) -> None:
+    """Every run read and verified by the core's ``read_runs`` in one call, on up to ``threads``
+    threads. A run not started by the deadline fails its pages, and so does one whose read failed
+    (an I/O error fails that run's pages only)."""
+    if time.monotonic() > deadline:  # nothing started: the call may already have been abandoned
+        for sr, a, b in runs:
+            for _off, _n, pool, i, _page in sr.items[a:b]:
+                results[pool][i] = _FAILED
+        return
+    got = read_runs([(sr.handle.fd, sr.items[a][0], [(it[2], it[3]) for it in sr.items[a:b]]) for sr, a, b in runs],
+                    threads)
+    for (sr, a, b), res in zip(runs, got, strict=True):
+        run = sr.items[a:b]
+        if res.__class__ is int:
+            if _records_read(run, run[0][0] + res, results, sr.bad):  # type: ignore[operator]
+                sr.any_ok = True
+            continue
+        if isinstance(res, OSError):
+            sr.error = res
+        for _off, _n, pool, i, _page in run:
+            results[pool][i] = _FAILED
+
+
 def _read_run(
     fd: int,
     run: list[_Item],
@@ -1305,14 +1368,7 @@ def _read_run(
     start = run[0][0]
     if read_records is not None and all(item[4].header is not None for item in run):
         end = start + read_records(fd, start, [(pool, i) for _off, _n, pool, i, _page in run])
-        ok = 0
-        for off, n, pool, i, _page in run:
-            if off + HEADER_SIZE + n > end:
-                bad.append((pool, i, "truncated segment"))
-                continue
-            results[pool][i] = _OK
-            ok += HEADER_SIZE + n
-        return ok
+        return _records_read(run, end, results, bad)
     iov: list[Buffer | memoryview] = []
     scratch: memoryview | None = None
     for j, item in enumerate(run):

@@ -18,7 +18,17 @@ import pytest
 from hicache_draft_file import backend as file_backend
 from hicache_draft_file import segment_writer
 
-from hicache_draft import BackendContext, Buffer, Page, PageResult, PageTransfer, PoolKind, Store, attach_headers
+import hicache_draft.store as store_mod
+from hicache_draft import (
+    BackendContext,
+    Buffer,
+    Page,
+    PageResult,
+    PageTransfer,
+    PoolKind,
+    Store,
+    attach_headers,
+)
 
 N = 16384  # payload bytes per page
 COUNT = 48
@@ -32,6 +42,29 @@ def _share_small_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(file_backend, "_SPLIT_MIN", 64 << 10)
     monkeypatch.setattr(file_backend, "_RUN_MAX_BYTES", 64 << 10)  # several runs per share
     monkeypatch.setattr(file_backend, "_FINISH_BYTES", 1)
+
+
+@pytest.fixture(params=["runs", "shares"])
+def core_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How a Store's page_get reads: every run handed to the core's ``read_runs`` in one call (its
+    compiled threads), or (a Store without it) shares of runs on the backend's own threads, each
+    run through ``read_records``."""
+    if request.param == "shares":
+        monkeypatch.setattr(store_mod._EarlyVerifier, "read_runs", None)
+    return request.param
+
+
+def _in_the_core(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Spy on the core's ``read_runs``: the number of runs of every call."""
+    calls: list[int] = []
+    real = store_mod._EarlyVerifier.read_runs
+
+    def spy(self: object, runs: list, threads: int) -> list:
+        calls.append(len(runs))
+        return real(self, runs, threads)
+
+    monkeypatch.setattr(store_mod._EarlyVerifier, "read_runs", spy)
+    return calls
 
 
 @pytest.fixture
@@ -69,17 +102,23 @@ def _threads_of(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> s
     return seen
 
 
-def test_shared_writes_and_reads_give_every_page_its_result_in_order(kit, store: Store, monkeypatch) -> None:
+def test_shared_writes_and_reads_give_every_page_its_result_in_order(
+    kit, store: Store, monkeypatch, core_reads: str
+) -> None:
     writers = _threads_of(monkeypatch, file_backend, "write_segment")
     groups = _stored(kit, store)
     assert len(writers) > 1 and store.backend.usage()["segments"] > 1  # one call, several files
     readers = _threads_of(monkeypatch, file_backend, "_read_run")
+    in_core = _in_the_core(monkeypatch) if core_reads == "runs" else []
     # shuffled, with misses and a repeat interleaved, over both pools
     order = [*groups, *(f"{9:08x}{i:056x}" for i in range(6)), groups[3]]
     random.Random(7).shuffle(order)
     ts = [PageTransfer(p, _pages(kit, p, order, False)) for p in (PoolKind.KV, PoolKind.DRAFT)]
     got, _ = store.page_get(ts)
-    assert len(readers) > 1
+    if core_reads == "runs":  # one call of many runs (their threads are the core's: tests/test_read_runs.py)
+        assert len(in_core) == 1 and in_core[0] > 1 and not readers
+    else:
+        assert len(readers) > 1
     for t in ts:
         for g, page, r in zip(order, t.pages, got[t.pool], strict=True):
             if g in groups:
@@ -89,6 +128,7 @@ def test_shared_writes_and_reads_give_every_page_its_result_in_order(kit, store:
 
 
 def test_an_io_error_in_one_share_fails_only_its_pages(kit, store: Store, monkeypatch) -> None:
+    monkeypatch.setattr(store_mod._EarlyVerifier, "read_runs", None)  # the backend's own shares
     groups = _stored(kit, store)
     real = file_backend._read_run
     failed_at: list[int] = []
@@ -118,6 +158,39 @@ def test_an_io_error_in_one_share_fails_only_its_pages(kit, store: Store, monkey
         if i not in bad:
             assert bytes(page.buffers[0].view()) == kit.payload(page.key, N)
     assert store.backend.usage()["read_failures"] == 1
+
+
+def test_an_io_error_in_one_run_read_by_the_core_fails_only_its_pages(
+    kit, store: Store, monkeypatch, tmp_path: Path
+) -> None:
+    """A real failing read (the kernel's EISDIR for one run's descriptor) in the core's read_runs:
+    that run's pages fail, every other page is read and exact, the failure is counted once."""
+    groups = _stored(kit, store)
+    real = store_mod._EarlyVerifier.read_runs
+    hit: list[list] = []
+    bad_fd = os.open(tmp_path, os.O_RDONLY)
+
+    def one_bad(self: object, runs: list, threads: int) -> list:
+        runs = list(runs)
+        assert len(runs) > 2
+        hit.append(runs[1][2])
+        runs[1] = (bad_fd, runs[1][1], runs[1][2])
+        return real(self, runs, threads)
+
+    monkeypatch.setattr(store_mod._EarlyVerifier, "read_runs", one_bad)
+    try:
+        ts = [PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))]
+        got, _ = store.page_get(ts)
+    finally:
+        os.close(bad_fd)
+    res = got[PoolKind.KV]
+    failed = {i for _pool, i in hit[0]}
+    assert failed and [i for i, r in enumerate(res) if r is not PageResult.OK] == sorted(failed)
+    assert all(res[i] is PageResult.FAILED for i in failed)
+    for i, page in enumerate(ts[0].pages):
+        if i not in failed:
+            assert bytes(page.buffers[0].view()) == kit.payload(page.key, N)
+    assert store.backend.usage()["read_failures"] == 1 and store.corrupt_pages == 0
 
 
 def _slow(monkeypatch: pytest.MonkeyPatch, module: object, name: str, delay: float) -> list[tuple[float, float]]:
@@ -249,16 +322,19 @@ def test_io_threads_default_follows_the_machine(tmp_path: Path) -> None:
 
 
 
-def test_a_segment_recycled_while_read_is_a_miss_never_corrupt(kit, store: Store, monkeypatch) -> None:
+def test_a_segment_recycled_while_read_is_a_miss_never_corrupt(
+    kit, store: Store, monkeypatch, core_reads: str
+) -> None:
     """Another process evicts the segment (renames it out of seg/) and reuses its file while this
     one reads through its descriptor: the headers read may still pass, the payloads are someone
     else's. The pages are gone: a miss, never OK, never counted corrupt by the core."""
     groups = _stored(kit, store, tag=3)
-    real = file_backend._read_run
+    where = "_read_by_core" if core_reads == "runs" else "_read_run"
+    real = getattr(file_backend, where)
     moved: list[Path] = []
     lock = threading.Lock()
 
-    def evict_then_read(fd: int, *rest: object) -> int:
+    def evict_then_read(fd: object, *rest: object) -> object:
         with lock:
             if not moved:
                 for seg in list(store.backend.catalog.segments.values()):
@@ -271,7 +347,7 @@ def test_a_segment_recycled_while_read_is_a_miss_never_corrupt(kit, store: Store
                             f.write(b"\x5a" * N)
         return real(fd, *rest)
 
-    monkeypatch.setattr(file_backend, "_read_run", evict_then_read)
+    monkeypatch.setattr(file_backend, where, evict_then_read)
     got, _ = store.page_get([PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))])
     assert moved and got[PoolKind.KV] == [PageResult.MISS] * COUNT
     assert store.corrupt_pages == 0 and store.backend.usage()["corrupt_pages"] == 0
@@ -280,9 +356,11 @@ def test_a_segment_recycled_while_read_is_a_miss_never_corrupt(kit, store: Store
 def test_small_records_read_through_the_core_are_shared_by_threads(kit, store: Store, monkeypatch) -> None:
     """Records far below ``_SHARE_MIN_RECORD`` are read by one thread when the backend parses their
     headers itself (per-page Python holds the GIL), but shared by the pool when the core reads and
-    verifies each run (``read_records``: one call per run, no GIL held): every page correct."""
+    verifies each run (``read_records``: one call per run, no GIL held): every page correct. (With
+    ``read_runs`` the core's own threads read them: tests/test_read_runs.py.)"""
     monkeypatch.setattr(file_backend, "_SHARE_MIN_RECORD", 256 << 10)  # the shipped value: 16 KiB is small
     monkeypatch.setattr(file_backend, "_SHARE_MIN_VERIFIED", 64 << 10)
+    monkeypatch.setattr(store_mod._EarlyVerifier, "read_runs", None)  # a Store without read_runs
     groups = _stored(kit, store)
     readers = _threads_of(monkeypatch, file_backend, "_read_run")
     pages = _pages(kit, PoolKind.KV, groups, False)

@@ -122,13 +122,13 @@ def test_one_call_reads_many_runs_and_checks_each_page(open_store, monkeypatch: 
     """Pages far beyond one run, and a payload damaged in a middle run: that page is CORRUPT, every
     page reported OK has its exact bytes."""
     calls: list[int] = []
-    real = file_backend._read_run
+    real = file_backend._read_by_core
 
-    def counting(fd: int, run: list, *rest: object) -> int:
-        calls.append(sum(64 + n for _off, n, *_ in run))
-        return real(fd, run, *rest)
+    def counting(runs: list, *rest: object) -> None:
+        calls.extend(sum(64 + n for _off, n, *_ in sr.items[a:b]) for sr, a, b in runs)
+        return real(runs, *rest)
 
-    monkeypatch.setattr(file_backend, "_read_run", counting)
+    monkeypatch.setattr(file_backend, "_read_by_core", counting)
     store = open_store()
     n, count = 65536, 40
     src = Arena(count * (n + 80))
@@ -150,9 +150,8 @@ def test_one_call_reads_many_runs_and_checks_each_page(open_store, monkeypatch: 
     assert results[25] is PageResult.CORRUPT
     assert all(r is PageResult.OK for j, r in enumerate(results) if j != 25)
     assert all(_bytes(p) == _content(i, n) for i, p in enumerate(out) if i != 25)
-    # through a Store the core reads each run in cache-sized pieces, so runs are about a thread's share
-    limit = max(file_backend._RUN_MAX_BYTES, file_backend._SHARE_MIN_VERIFIED,
-                -(-count * (n + 64) // store.backend.workers))
+    # through a Store every run goes to the core's read_runs in one call, each at most _RUN_MAX_BYTES
+    limit = file_backend._RUN_MAX_BYTES
     per_run = limit // (n + 64)  # adjacent records: runs as full as allowed
     assert per_run >= 2 and len(calls) == -(-count // per_run)
     assert max(calls) <= limit

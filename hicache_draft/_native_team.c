@@ -1,0 +1,131 @@
+/* hicache_draft._native: a team of plain threads for one call's independent pieces of work
+ * (see _native_team.h).
+ *
+ * Why (issue 15, measured on the H200 host): a page_get shared by Python threads starts them one
+ * after another, since each must take the GIL to begin and each hand-over wakes a sleeping
+ * thread: 16 threads reading 32 pages of 8 MiB began over 1.2 ms, 11 threads reading 64 pages of
+ * 1 MiB over 1.4 ms of a 3 ms call. Helpers here wait on one condition variable and are woken
+ * together; they take pieces from a shared counter, so the calling thread starts at once and the
+ * work spreads over whoever is running.
+ *
+ * Helpers are started on first need, up to MAX_HELPERS, and then wait for the next team. Several
+ * teams (calls from several threads) may be posted at once; a helper serves the oldest that still
+ * has undone pieces and room for one more helper. A team's owner takes it down (no helper joins
+ * any more) and then waits for the helpers inside it to finish their current piece, so ctx, which
+ * lives on the owner's stack, is never touched after hcd_team_run returns. After fork() the child
+ * starts with no helper (the parent's threads do not exist there). */
+#define _GNU_SOURCE
+#include "_native_team.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#define MAX_HELPERS 64
+
+typedef struct team team;
+struct team {
+    hcd_work work;
+    void *ctx;
+    ptrdiff_t n;
+    _Atomic ptrdiff_t next; /* the next piece nobody took */
+    int room;               /* under mu: helpers it may still take */
+    int inside;             /* under mu: helpers working on it */
+    int posted;             /* under mu: helpers may join */
+    pthread_cond_t left;    /* the owner waits here for inside == 0 */
+    team *link;
+};
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static team *teams; /* posted, oldest first */
+static int helpers, idle, forking_ready;
+static long long helped;
+
+static void prepare(void) { pthread_mutex_lock(&mu); }
+static void parent(void) { pthread_mutex_unlock(&mu); }
+static void child(void) {
+    pthread_mutex_init(&mu, NULL);
+    pthread_cond_init(&wake, NULL);
+    teams = NULL;
+    helpers = idle = 0;
+}
+
+static void take_all(team *t) {
+    for (;;) {
+        ptrdiff_t i = atomic_fetch_add(&t->next, 1);
+        if (i >= t->n) return;
+        t->work(t->ctx, i);
+    }
+}
+
+static void *helper(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&mu);
+    for (;;) {
+        team *t = teams;
+        while (t != NULL && (t->room == 0 || atomic_load(&t->next) >= t->n)) t = t->link;
+        if (t == NULL) {
+            idle++;
+            pthread_cond_wait(&wake, &mu);
+            idle--;
+            continue;
+        }
+        t->room--;
+        t->inside++;
+        helped++;
+        pthread_mutex_unlock(&mu);
+        take_all(t);
+        pthread_mutex_lock(&mu);
+        if (--t->inside == 0 && !t->posted) pthread_cond_signal(&t->left);
+    }
+    return NULL;
+}
+
+void hcd_team_run(hcd_work work, void *ctx, ptrdiff_t n, int threads) {
+    if (n <= 1 || threads <= 1) {
+        for (ptrdiff_t i = 0; i < n; i++) work(ctx, i);
+        return;
+    }
+    team t = {.work = work, .ctx = ctx, .n = n, .room = (int)(threads - 1 < n - 1 ? threads - 1 : n - 1)};
+    atomic_init(&t.next, 0);
+    pthread_cond_init(&t.left, NULL);
+    pthread_mutex_lock(&mu);
+    if (!forking_ready) {
+        pthread_atfork(prepare, parent, child);
+        forking_ready = 1;
+    }
+    t.posted = 1;
+    team **end = &teams;
+    while (*end != NULL) end = &(*end)->link;
+    *end = &t;
+    for (int more = t.room - idle; more > 0 && helpers < MAX_HELPERS; more--) {
+        pthread_t id;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 256 << 10);
+        if (pthread_create(&id, &attr, helper, NULL) == 0) helpers++;
+        pthread_attr_destroy(&attr);
+    }
+    if (idle > 0) pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&mu);
+    take_all(&t); /* the owner works too: with no helper at all, it does every piece */
+    pthread_mutex_lock(&mu);
+    t.posted = 0;
+    for (team **at = &teams; *at != NULL; at = &(*at)->link) {
+        if (*at == &t) {
+            *at = t.link;
+            break;
+        }
+    }
+    while (t.inside > 0) pthread_cond_wait(&t.left, &mu);
+    pthread_mutex_unlock(&mu);
+    pthread_cond_destroy(&t.left);
+}
+
+long long hcd_team_helped(void) {
+    pthread_mutex_lock(&mu);
+    long long n = helped;
+    pthread_mutex_unlock(&mu);
+    return n;
+}

@@ -1,0 +1,20 @@
+/* hicache_draft._native: a team of plain threads for one call's independent pieces of work
+ * (_native_team.c).
+ *
+ * hcd_team_run(work, ctx, n, threads) runs work(ctx, i) for every i in [0, n) on the calling thread
+ * and up to threads - 1 helpers, each taking the next undone i as it gets free, and returns once
+ * every i is done and no helper will touch ctx again. The helpers are pthreads that never call
+ * into Python, so they start together (not one after another through the GIL, as Python threads
+ * do) and a helper that wakes late simply takes fewer pieces. Call it with the GIL released. */
+#ifndef HCD_NATIVE_TEAM_H
+#define HCD_NATIVE_TEAM_H
+
+#include <stddef.h>
+
+typedef void (*hcd_work)(void *ctx, ptrdiff_t i);
+
+void hcd_team_run(hcd_work work, void *ctx, ptrdiff_t n, int threads);
+/* Helpers that have taken part in a team since the module loaded (tests, benchmarks). */
+long long hcd_team_helped(void);
+
+#endif

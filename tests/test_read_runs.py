@@ -1,0 +1,240 @@
+"""``read_runs``: the core reads many runs of a backend's stored records in one call, shared by
+the calling thread and the core's compiled helper threads (``_native_team.c``).
+
+What it must keep: every run gives exactly what ``read_check`` of that run alone gives, whatever
+the number of runs and threads (every flipped byte and short record caught, every passing page
+byte-exact); a failing read fails its run only; no run starts after the deadline; nothing is
+touched after it returns; helpers really share the work; a forked child reads with helpers of its
+own; and behind a Store, a page not in the call is refused before anything is read."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hicache_draft.store as store_mod
+from hicache_draft import Buffer, Page, PageResult, PageTransfer, PoolKind, Store, _native, make_header
+from hicache_draft.page_format import namespace_bytes, pool_code
+from hicache_draft.testing import MemoryBackend
+
+KV = PoolKind.KV
+NS = "cd" * 12
+CODE = pool_code(KV)
+pytestmark = pytest.mark.usefixtures("reset_memory_backend")
+
+
+def _records(path: Path, sizes: list[int], start: int, tag: int) -> tuple[list[str], list[bytes], list[int]]:
+    """A file of records back to back from ``start``: keys, payloads and each record's end."""
+    keys = [f"{tag:08x}{i:056x}.{NS}" for i in range(len(sizes))]
+    payloads = [os.urandom(n) for n in sizes]
+    blob = bytearray(start)
+    ends = []
+    for key, data in zip(keys, payloads, strict=True):
+        blob += make_header(key, NS, KV, [data]) + data
+        ends.append(len(blob))
+    path.write_bytes(bytes(blob))
+    return keys, payloads, ends
+
+
+def _pages(keys: list[str], sizes: list[int]) -> tuple[list[Page], list[bytearray]]:
+    keep: list[bytearray] = []
+    pages = []
+    for key, n in zip(keys, sizes, strict=True):
+        head, body = bytearray(64), bytearray(n)
+        keep += [head, body]
+        pages.append(Page(key, key[:64], NS, (Buffer.of(body) if n else Buffer(0, 0),), Buffer.of(head)))
+    return pages, keep
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    layouts=st.lists(st.tuples(st.lists(st.integers(0, 70000), min_size=1, max_size=5), st.integers(0, 200),
+                               st.lists(st.integers(0, 200000), max_size=2), st.one_of(st.none(), st.integers(0, 9))),
+                     min_size=1, max_size=9),
+    threads=st.integers(1, 6),
+    chunk=st.sampled_from([4096, 65536, 256 << 10]),
+)
+def test_every_run_reads_as_it_would_alone(tmp_path_factory, layouts, threads, chunk) -> None:
+    tmp = tmp_path_factory.mktemp("runs")
+    runs, alone, fds, keep, expect = [], [], [], [], []
+    try:
+        for r, (sizes, start, flips, cut) in enumerate(layouts):
+            path = tmp / f"r{r}"
+            keys, payloads, ends = _records(path, sizes, start, r)
+            blob = bytearray(path.read_bytes())
+            for f in flips:
+                if start <= f < len(blob):
+                    blob[f] ^= 0x41
+            if cut is not None:  # end of file inside the run
+                del blob[start + (ends[-1] - start) * cut // 10 :]
+            path.write_bytes(bytes(blob))
+            fd = os.open(path, os.O_RDONLY)
+            fds.append(fd)
+            pages, bufs = _pages(keys, sizes)
+            twin, twin_bufs = _pages(keys, sizes)
+            keep += [bufs, twin_bufs]
+            runs.append((fd, start, pages, CODE))
+            alone.append(_native.read_check(fd, start, twin, CODE, namespace_bytes, chunk))
+            expect.append((pages, twin, payloads))
+        got = _native.read_runs(runs, namespace_bytes, chunk, threads, time.monotonic() + 60)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert got == alone
+    for (_nread, failed), (pages, twin, payloads) in zip(got, expect, strict=True):
+        for j, (p, t, data) in enumerate(zip(pages, twin, payloads, strict=True)):
+            assert bytes(p.header.view()) == bytes(t.header.view())
+            if j not in failed:  # a page that passed holds exactly the stored bytes
+                assert bytes(p.buffers[0].view()) == data
+
+
+def _one_file(tmp_path: Path, count: int, n: int) -> tuple[Path, list[str], list[bytes], list[int]]:
+    path = tmp_path / "records"
+    keys, payloads, ends = _records(path, [n] * count, 0, 7)
+    return path, keys, payloads, ends
+
+
+def test_a_failing_read_fails_its_run_only(tmp_path: Path) -> None:
+    path, keys, payloads, ends = _one_file(tmp_path, 6, 50000)
+    fd = os.open(path, os.O_RDONLY)
+    dir_fd = os.open(tmp_path, os.O_RDONLY)  # preadv on a directory: EISDIR from the kernel
+    try:
+        a, ka = _pages(keys[:3], [50000] * 3)
+        b, kb = _pages(keys[3:], [50000] * 3)
+        got = _native.read_runs([(fd, 0, a, CODE), (dir_fd, ends[2], b, CODE)], namespace_bytes, 65536, 2,
+                                time.monotonic() + 60)
+    finally:
+        os.close(fd)
+        os.close(dir_fd)
+    assert got[0] == (ends[2], [])
+    assert isinstance(got[1], OSError) and got[1].errno == 21  # EISDIR
+    assert [bytes(p.buffers[0].view()) for p in a] == payloads[:3]
+
+
+def test_no_run_starts_after_the_deadline_and_none_touches_memory(tmp_path: Path) -> None:
+    path, keys, _payloads, ends = _one_file(tmp_path, 4, 40000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pages, keep = _pages(keys, [40000] * 4)
+        got = _native.read_runs([(fd, ends[i] - 40064, [pages[i]], CODE) for i in range(4)], namespace_bytes,
+                                65536, 4, time.monotonic() - 0.001)
+    finally:
+        os.close(fd)
+    assert got == [None] * 4
+    assert not any(any(b) for b in keep)
+
+
+def test_helpers_share_the_runs(tmp_path: Path) -> None:
+    path, keys, payloads, ends = _one_file(tmp_path, 64, 256 << 10)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _attempt in range(20):  # a helper that wakes after the caller took every run takes none
+            before = _native.team_helped()
+            pages, keep = _pages(keys, [256 << 10] * 64)
+            got = _native.read_runs([(fd, ends[i] - (256 << 10) - 64, [pages[i]], CODE) for i in range(64)],
+                                    namespace_bytes, 65536, 4, time.monotonic() + 60)
+            assert got == [((256 << 10) + 64, [])] * 64
+            assert [bytes(p.buffers[0].view()) for p in pages] == payloads
+            if _native.team_helped() > before:
+                break
+        else:
+            pytest.fail("no helper thread ever took part in 20 calls of 64 runs")
+    finally:
+        os.close(fd)
+
+
+def _child_reads(path: str, count: int, n: int, ends: list[int], out: multiprocessing.Queue) -> None:
+    keys = [f"{7:08x}{i:056x}.{NS}" for i in range(count)]
+    fd = os.open(path, os.O_RDONLY)
+    helped = 0
+    for _attempt in range(20):
+        before = _native.team_helped()
+        pages, _keep = _pages(keys, [n] * count)
+        got = _native.read_runs([(fd, ends[i] - n - 64, [pages[i]], CODE) for i in range(count)],
+                                namespace_bytes, 65536, 4, time.monotonic() + 60)
+        ok = all(g == (n + 64, []) for g in got)
+        helped += _native.team_helped() > before
+        if not ok or helped:
+            break
+    out.put((ok, helped))
+
+
+def test_a_forked_child_reads_with_helpers_of_its_own(tmp_path: Path) -> None:
+    path, _keys, _payloads, ends = _one_file(tmp_path, 64, 256 << 10)
+    fd = os.open(path, os.O_RDONLY)
+    try:  # the parent's helpers exist (and wait) before the fork
+        pages, _keep = _pages(_keys, [256 << 10] * 64)
+        _native.read_runs([(fd, ends[i] - (256 << 10) - 64, [pages[i]], CODE) for i in range(64)],
+                          namespace_bytes, 65536, 4, time.monotonic() + 60)
+    finally:
+        os.close(fd)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_reads, args=(str(path), 64, 256 << 10, ends, out))
+    child.start()
+    try:
+        ok, helped = out.get(timeout=60)
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0 and ok and helped
+
+
+def _store() -> Store:
+    return Store("memory", MemoryBackend, MemoryBackend.capabilities, {"space": os.urandom(4).hex()})
+
+
+def test_behind_a_store_read_runs_verifies_and_refuses_foreign_pages(tmp_path: Path) -> None:
+    path, keys, payloads, ends = _one_file(tmp_path, 6, 30000)
+    blob = bytearray(path.read_bytes())
+    blob[ends[4] - 100] ^= 1  # page 4's payload rots
+    path.write_bytes(bytes(blob))
+    pages = [Page(k, k[:64], NS, (Buffer.of(bytearray(30000)),)) for k in keys]
+    store = _store()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        transfers = store.attach_headers([PageTransfer(KV, pages)], made=False)
+        early = store_mod._EarlyVerifier(store, transfers, time.monotonic() + 60)
+        with pytest.raises(ValueError, match="no page 6"):  # nothing marked, nothing read
+            early.read_runs([(fd, 0, [(KV, 0)]), (fd, ends[0], [(KV, 6)])], 2)
+        got = early.read_runs([(fd, 0, [(KV, 0), (KV, 1), (KV, 2)]), (fd, ends[2], [(KV, 3), (KV, 4), (KV, 5)])], 2)
+        assert got == [ends[2], ends[5] - ends[2]]
+        with pytest.raises(ValueError, match="already read"):
+            early.read_runs([(fd, 0, [(KV, 1)])], 1)
+        out = {KV: [PageResult.OK] * 6}
+        early.settle(out)
+        assert out[KV] == [PageResult.OK] * 4 + [PageResult.CORRUPT, PageResult.OK]
+        assert [bytes(transfers[0].pages[i].buffers[0].view()) for i in (0, 1, 2, 3, 5)] == \
+            [payloads[i] for i in (0, 1, 2, 3, 5)]
+        early.abandon()
+        with pytest.raises(RuntimeError, match="abandoned"):
+            early.read_runs([(fd, 0, [(KV, 0)])], 1)
+    finally:
+        os.close(fd)
+        store.close()
+
+
+def test_a_run_that_was_not_read_is_checked_after_the_call(tmp_path: Path) -> None:
+    """A run past the deadline (or whose read failed) is not taken as verified: a backend that
+    still reports its pages OK gets them checked after the call, and they are CORRUPT."""
+    path, keys, _payloads, ends = _one_file(tmp_path, 2, 30000)
+    pages = [Page(k, k[:64], NS, (Buffer.of(bytearray(30000)),)) for k in keys]
+    store = _store()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        transfers = store.attach_headers([PageTransfer(KV, pages)], made=False)
+        early = store_mod._EarlyVerifier(store, transfers, time.monotonic() - 1)
+        assert early.read_runs([(fd, 0, [(KV, 0), (KV, 1)])], 2) == [None]
+        out = {KV: [PageResult.OK, PageResult.OK]}  # a backend that lies
+        early.settle(out)
+        assert out[KV] == [PageResult.CORRUPT, PageResult.CORRUPT]
+    finally:
+        os.close(fd)
+        store.close()

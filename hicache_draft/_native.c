@@ -370,9 +370,30 @@ out:
     return rc;
 }
 
+/* One batch's headers made (pack: written to `out`) or checked (against each page's header, `bad`
+ * set where they differ), page i by whichever thread takes it (_native_team.c). */
+typedef struct {
+    batch *b;
+    unsigned char *out; /* pack: the headers, 64 bytes each */
+    unsigned char *bad; /* check: 1 where a page's header is not the one made from its bytes */
+} headers_ctx;
+
+static void pack_one(void *ctx, ptrdiff_t i) {
+    headers_ctx *c = ctx;
+    make_one(&c->b->jobs[i], c->b->payload.iov, c->out + i * HEADER_SIZE);
+}
+
+static void check_one(void *ctx, ptrdiff_t i) {
+    headers_ctx *c = ctx;
+    unsigned char made[HEADER_SIZE];
+    make_one(&c->b->jobs[i], c->b->payload.iov, made);
+    c->bad[i] = memcmp(made, c->b->jobs[i].header, HEADER_SIZE) != 0;
+}
+
 static PyObject *pack_headers(PyObject *self, PyObject *args) {
     PyObject *out, *items, *codes, *fallback;
-    if (!PyArg_ParseTuple(args, "OOOO:pack_headers", &out, &items, &codes, &fallback)) return NULL;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OOOO|i:pack_headers", &out, &items, &codes, &fallback, &threads)) return NULL;
     Py_buffer ov;
     if (PyObject_GetBuffer(out, &ov, PyBUF_WRITABLE) < 0) return NULL;
     batch b;
@@ -387,8 +408,9 @@ static PyObject *pack_headers(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "output holds %zd bytes, %zd headers need %zd", ov.len, b.n,
                             b.n * HEADER_SIZE);
     }
+    headers_ctx c = {&b, ov.buf, NULL};
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < b.n; i++) make_one(&b.jobs[i], b.payload.iov, (unsigned char *)ov.buf + i * HEADER_SIZE);
+    hcd_team_run(pack_one, &c, b.n, threads);
     Py_END_ALLOW_THREADS
     batch_free(&b);
     PyBuffer_Release(&ov);
@@ -397,7 +419,8 @@ static PyObject *pack_headers(PyObject *self, PyObject *args) {
 
 static PyObject *mismatches(PyObject *self, PyObject *args) {
     PyObject *items, *codes, *fallback;
-    if (!PyArg_ParseTuple(args, "OOO:mismatches", &items, &codes, &fallback)) return NULL;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OOO|i:mismatches", &items, &codes, &fallback, &threads)) return NULL;
     batch b;
     if (batch_load(&b, items, codes, fallback, 1) < 0) {
         batch_free(&b);
@@ -408,27 +431,16 @@ static PyObject *mismatches(PyObject *self, PyObject *args) {
         batch_free(&b);
         return PyErr_NoMemory();
     }
-    Py_ssize_t nbad = 0;
+    headers_ctx c = {&b, NULL, bad};
     Py_BEGIN_ALLOW_THREADS
-    unsigned char made[HEADER_SIZE];
-    for (Py_ssize_t i = 0; i < b.n; i++) {
-        make_one(&b.jobs[i], b.payload.iov, made);
-        if (memcmp(made, b.jobs[i].header, HEADER_SIZE) != 0) {
-            bad[i] = 1;
-            nbad++;
-        }
-    }
+    hcd_team_run(check_one, &c, b.n, threads);
     Py_END_ALLOW_THREADS
-    PyObject *res = PyList_New(nbad);
-    Py_ssize_t k = 0;
+    PyObject *res = PyList_New(0);
     for (Py_ssize_t i = 0; res != NULL && i < b.n; i++) {
         if (!bad[i]) continue;
         PyObject *v = PyLong_FromSsize_t(i);
-        if (v == NULL) {
-            Py_CLEAR(res);
-            break;
-        }
-        PyList_SetItem(res, k++, v);
+        if (v == NULL || PyList_Append(res, v) < 0) Py_CLEAR(res);
+        Py_XDECREF(v);
     }
     free(bad);
     batch_free(&b);
@@ -1043,10 +1055,11 @@ fail:
 
 static PyMethodDef methods[] = {
     {"pack_headers", pack_headers, METH_VARARGS,
-     "pack_headers(out, items, codes, namespace_bytes): write the 64-byte header of every item into out."},
+     "pack_headers(out, items, codes, namespace_bytes, threads=1): write the 64-byte header of every item into "
+     "out, the items shared by the calling thread and up to threads - 1 helper threads."},
     {"mismatches", mismatches, METH_VARARGS,
-     "mismatches(pages, codes, namespace_bytes) -> indices of pages whose header is not the one made "
-     "from their key, namespace, pool and buffers."},
+     "mismatches(pages, codes, namespace_bytes, threads=1) -> indices of pages whose header is not the one made "
+     "from their key, namespace, pool and buffers (shared like pack_headers)."},
     {"read_check", read_check, METH_VARARGS,
      "read_check(fd, offset, pages, codes, namespace_bytes, chunk) -> (bytes read, indices of pages that "
      "fail): stored pages read back to back and verified as they land."},

@@ -49,7 +49,6 @@ from hicache_draft.page_format import (
     HeaderProblem,
     PageFormatError,
     check_page,
-    corrupt_pages,
     namespace_bytes,
     pack_page_headers,
     pool_code,
@@ -213,7 +212,7 @@ class Store:
         """The transfers as this store hands them to its backend (for tools that time or call
         hooks directly, such as benchmarks): headers made from the pages' bytes (``made``, as for
         ``page_set``, on the store's threads) or zeroed for the backend to fill (``page_get``)."""
-        return attach_headers(transfers, made=made, executor=self._verifiers() if made else None)
+        return attach_headers(transfers, made=made, parallel=made)
 
     def _per_page(
         self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None
@@ -231,8 +230,7 @@ class Store:
         # one while writing the page (one pass over its memory), not before the call
         writes = hook == "page_set" and self.capabilities.writes_records
         on_demand = hook == "page_set" and not writes and self.capabilities.headers_on_demand
-        transfers = attach_headers(transfers, made=hook == "page_set" and not writes and not on_demand,
-                                   executor=self._verifiers())
+        transfers = attach_headers(transfers, made=hook == "page_set" and not writes and not on_demand, parallel=True)
         out = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         kwargs: dict[str, Any] = {"transfers": transfers, "deadline": deadline}
         early: _EarlyVerifier | None = None
@@ -301,13 +299,8 @@ class Store:
         return self._verify_pool
 
     def _check(self, todo: Sequence[tuple[str, int, Page]]) -> list[tuple[str, int, Page, PageFormatError]]:
-        """Verify pages now, spread over the verifier threads when there are many bytes."""
-        total = sum(p.nbytes for _, _, p in todo)
-        workers = min(_VERIFY_WORKERS, max(1, total // _VERIFY_CHUNK_BYTES))
-        if workers <= 1:
-            return _problems(todo)
-        pool = self._verifiers()
-        return [p for f in [pool.submit(_problems, todo[w::workers]) for w in range(workers)] for p in f.result()]
+        """Verify pages now, shared by the core's compiled threads when there are many bytes."""
+        return _problems(todo, _threads_for(sum(p.nbytes for _, _, p in todo)))
 
     def _mark(
         self, problems: Iterable[tuple[str, int, Page, PageFormatError]], out: dict[str, list[PageResult]]
@@ -448,51 +441,27 @@ _RECORD_CHUNK = 256 << 10
 _VERIFY_WORKERS = max(1, min(16, os.cpu_count() or 1))
 
 
-def _shares(transfers: Sequence[PageTransfer], workers: int) -> list[tuple[int, str, Sequence[Page]]]:
-    """The pages of ``transfers`` cut into at most ``workers`` shares of about equal bytes (each
-    at least ``_VERIFY_CHUNK_BYTES``), as ``(index of the first page in the call, pool, pages)``."""
-    sizes = [len(t.pages) * t.pages[0].nbytes if t.pages else 0 for t in transfers]  # pages of a pool: one size
-    parts = min(workers, max(1, sum(sizes) // _VERIFY_CHUNK_BYTES))
-    per = max(1, -(-sum(sizes) // parts))
-    out: list[tuple[int, str, Sequence[Page]]] = []
-    at = 0
-    for t, size in zip(transfers, sizes, strict=True):
-        n = len(t.pages)
-        step = max(1, n * per // size) if size else n or 1
-        out.extend((at + a, t.pool, t.pages[a : a + step]) for a in range(0, n, step))
-        at += n
-    return out
+def _threads_for(nbytes: int) -> int:
+    """Threads to make or check the headers of ``nbytes`` of pages: one per ``_VERIFY_CHUNK_BYTES``,
+    at most ``_VERIFY_WORKERS`` (the calling thread and the core's compiled helpers)."""
+    return min(_VERIFY_WORKERS, max(1, nbytes // _VERIFY_CHUNK_BYTES))
 
 
-def attach_headers(
-    transfers: Sequence[PageTransfer], made: bool, executor: ThreadPoolExecutor | None = None
-) -> list[PageTransfer]:
+def attach_headers(transfers: Sequence[PageTransfer], made: bool, parallel: bool = False) -> list[PageTransfer]:
     """What the store hands a backend (public for tools that call hooks directly, such as the
     conformance kit): the transfers with every page's ``header`` set, made from the page's bytes
     (``page_set``) or zeroed for the backend to fill (``page_get``). Headers are made by compiled
-    code without the GIL, a large call's in parallel on ``executor``."""
+    code without the GIL in one call; with ``parallel``, a large call's pages are shared by the
+    calling thread and the core's compiled helper threads (they start together)."""
     count = sum(len(t.pages) for t in transfers)
     if not count:
         return list(transfers)
     block = bytearray(HEADER_SIZE * count)
     if made:
-        view = memoryview(block)
-        shares = _shares(transfers, _VERIFY_WORKERS if executor is not None else 1)
-
-        def pack(share: tuple[int, str, Sequence[Page]]) -> None:
-            first, pool, pages = share
-            pack_page_headers(view[first * HEADER_SIZE : (first + len(pages)) * HEADER_SIZE], pages, pool)
-
-        if len(shares) > 1 and executor is not None:
-            futures = [executor.submit(pack, sh) for sh in shares[1:]]
-            try:
-                pack(shares[0])  # the caller's share while the executor makes the others
-            finally:  # no share outlives the call (they read the caller's pages)
-                for f in futures:
-                    f.result()
-        else:
-            for sh in shares:
-                pack(sh)
+        pages = [p for t in transfers for p in t.pages]
+        codes = b"".join(bytes([pool_code(t.pool)]) * len(t.pages) for t in transfers)
+        nbytes = sum(len(t.pages) * t.pages[0].nbytes for t in transfers if t.pages)  # pages of a pool: one size
+        _native.pack_headers(block, pages, codes, namespace_bytes, _threads_for(nbytes) if parallel else 1)
     whole = Buffer.of(block)
     out: list[PageTransfer] = []
     at = whole.ptr
@@ -825,20 +794,17 @@ class _EarlyVerifier:
         self.store._mark([*problems_early, *(self.store._check(later) if later else [])], out)
 
 
-def _problems(todo: Sequence[tuple[str, int, Page]]) -> list[tuple[str, int, Page, PageFormatError]]:
+def _problems(
+    todo: Sequence[tuple[str, int, Page]], threads: int = 1
+) -> list[tuple[str, int, Page, PageFormatError]]:
     """The pages of ``todo`` that fail verification, each with the problem :func:`check_page` names.
-    The check itself is one compiled call per pool (:func:`corrupt_pages`, without the GIL)."""
-    by_pool: dict[str, list[tuple[str, int, Page]]] = {}
-    for entry in todo:
-        got = by_pool.get(entry[0])
-        if got is None:
-            by_pool[entry[0]] = [entry]
-        else:
-            got.append(entry)
-    failed = []
-    for pool, entries in by_pool.items():
-        failed.extend(entries[j] for j in corrupt_pages([page for _pool, _i, page in entries], pool))
-    return _named(failed)
+    The check itself is one compiled call (``_native.mismatches``, without the GIL, shared by up to
+    ``threads`` threads)."""
+    if not todo:
+        return []
+    codes = bytes(pool_code(pool) for pool, _i, _page in todo)
+    failed = _native.mismatches([page for _pool, _i, page in todo], codes, namespace_bytes, threads)
+    return _named([todo[j] for j in failed])
 
 
 def _named(failed: Sequence[tuple[str, int, Page]]) -> list[tuple[str, int, Page, PageFormatError]]:

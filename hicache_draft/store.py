@@ -621,8 +621,9 @@ class _EarlyVerifier:
         self.store = store
         self.deadline = deadline  # read_runs starts no run after it
         self.pages = {t.pool: t.pages for t in transfers}
-        # per pool, per page: the check that started early (None: not started)
-        self.started: dict[str, list[Future[list[Any]] | None]] = {t.pool: [None] * len(t.pages) for t in transfers}
+        # per pool, per page: the check that started early (None: not started); a check's result is
+        # (the pages that failed it, the pages it was to read but did not: see settle)
+        self.started: dict[str, list[_Check | None]] = {t.pool: [None] * len(t.pages) for t in transfers}
         self.lock = threading.Lock()
         self.open = True
 
@@ -635,7 +636,7 @@ class _EarlyVerifier:
             return
         slots = self.started[pool]
         todo = []
-        fut: Future[list[Any]] = Future()
+        fut: _Check = Future()
         with self.lock:
             if not self.open:
                 return
@@ -646,7 +647,7 @@ class _EarlyVerifier:
             if not todo:
                 return
         try:
-            fut.set_result(_problems(todo))
+            fut.set_result((_problems(todo), ()))
         except BaseException as exc:  # a check that did not finish is redone after the call
             fut.set_exception(exc)
             if not isinstance(exc, Exception):
@@ -659,17 +660,19 @@ class _EarlyVerifier:
         (the hash reads each piece right after it lands). Returns the bytes read (fewer only at
         end of file); the pages count as finished. Raises once the call was abandoned (its memory
         may be someone else's) and for a page named twice or already announced."""
+        fut: _Check = Future()
         with self.lock:
             if not self.open:
                 raise RuntimeError("read_records after the page_get call ended or was abandoned")
-            marked = self._mark_run(pages)
-        pages, run, codes, fut = marked
+            pages, run, codes = self._mark_run(pages, fut)
         try:
             nread, failed = _native.read_check(fd, offset, run, codes, namespace_bytes, _RECORD_CHUNK)
         except BaseException as exc:  # nothing read counts: checked again after the call, if reported OK
-            self._undo(marked, exc)
+            with self.lock:
+                self._unmark(pages)
+            fut.set_exception(exc)
             raise
-        fut.set_result(_named([(pages[j][0], pages[j][1], run[j]) for j in failed]) if failed else [])
+        fut.set_result((_named([(pages[j][0], pages[j][1], run[j]) for j in failed]) if failed else [], ()))
         return nread
 
     def read_runs(
@@ -681,50 +684,57 @@ class _EarlyVerifier:
         read raised, or ``None`` when it was not started by the call's deadline; the pages of a
         run that was read count as finished. Raises as ``read_records`` does, before reading
         anything, for a page not in the call, named twice or already read."""
-        marks: list[tuple[Sequence[tuple[str, int]], list[Page], int | bytes, Future[list[Any]]]] = []
+        fut: _Check = Future()  # one check for the whole call (a future per run cost ~5 us a run)
+        marks: list[tuple[Sequence[tuple[str, int]], list[Page], int | bytes]] = []
         with self.lock:
             if not self.open:
                 raise RuntimeError("read_runs after the page_get call ended or was abandoned")
             try:
                 for _fd, _offset, pages in runs:
-                    marks.append(self._mark_run(pages))
+                    marks.append(self._mark_run(pages, fut))
             except BaseException:
-                for pages, _run, _codes, _fut in marks:
+                for pages, _run, _codes in marks:
                     self._unmark(pages)
                 raise
         todo = [(fd, offset, m[1], m[2]) for (fd, offset, _pages), m in zip(runs, marks, strict=True)]
         try:
             got = _native.read_runs(todo, namespace_bytes, _RECORD_CHUNK, max(1, threads), self.deadline)
-        except BaseException as exc:
-            for m in marks:
-                self._undo(m, exc)
+        except BaseException as exc:  # nothing read counts: checked again after the call, if reported OK
+            with self.lock:
+                for pages, _run, _codes in marks:
+                    self._unmark(pages)
+            fut.set_exception(exc)
             raise
         out: list[int | OSError | None] = []
-        for m, res in zip(marks, got, strict=True):
+        failed: list[tuple[str, int, Page]] = []
+        unread: list[tuple[str, int]] = []
+        for (pages, run, _codes), res in zip(marks, got, strict=True):
             if res.__class__ is tuple:
-                nread, failed = res  # type: ignore[misc]
-                pages, run = m[0], m[1]
-                m[3].set_result(_named([(pages[j][0], pages[j][1], run[j]) for j in failed]) if failed else [])
+                nread, bad = res  # type: ignore[misc]
+                failed.extend((pages[j][0], pages[j][1], run[j]) for j in bad)
                 out.append(nread)
-            else:
-                self._undo(m, res if isinstance(res, OSError) else TimeoutError("run not started by the deadline"))
+            else:  # not read: those pages may be read again, and are checked after the call if reported OK
+                unread.extend(pages)
                 out.append(res)  # type: ignore[arg-type]
+        if unread:
+            with self.lock:
+                self._unmark(unread)
+        fut.set_result((_named(failed) if failed else [], unread))
         return out
 
     def _mark_run(
-        self, pages: Sequence[tuple[str, int]]
-    ) -> tuple[Sequence[tuple[str, int]], list[Page], int | bytes, Future[list[Any]]]:
-        """Mark a run's pages as read by the core (under the lock): ``(pages, their Page objects,
-        their pool codes, the run's check)``; raises, unmarking the run, for a page not in the call,
+        self, pages: Sequence[tuple[str, int]], fut: _Check
+    ) -> tuple[Sequence[tuple[str, int]], list[Page], int | bytes]:
+        """Mark a run's pages as read by the core's check ``fut`` (under the lock): ``(pages, their
+        Page objects, their pool codes)``; raises, unmarking the run, for a page not in the call,
         named twice or already read or announced."""
         if not isinstance(pages, (list, tuple)):
             pages = list(pages)
         run: list[Page] = []  # run[j] is pages[j]: the pages marked so far
-        fut: Future[list[Any]] = Future()
         mixed = False
         last: object = None
         got: Sequence[Page] = ()
-        slots: list[Future[list[Any]] | None] = []
+        slots: list[_Check | None] = []
         pool: object = None
         i: Any = None
         try:
@@ -746,16 +756,7 @@ class _EarlyVerifier:
             self._unmark(pages[: len(run)])
             raise
         codes: int | bytes = pool_code(last) if run and not mixed else bytes(pool_code(p) for p, _i in pages)
-        return pages, run, codes, fut
-
-    def _undo(
-        self, mark: tuple[Sequence[tuple[str, int]], list[Page], int | bytes, Future[list[Any]]], exc: BaseException
-    ) -> None:
-        """A run that was not read: nothing of it counts (its pages are checked after the call if
-        reported OK, and may be read again)."""
-        with self.lock:
-            self._unmark(mark[0])
-        mark[3].set_exception(exc)
+        return pages, run, codes
 
     def _unmark(self, marked: Sequence[tuple[str, int]]) -> None:
         for pool, i in marked:
@@ -774,23 +775,26 @@ class _EarlyVerifier:
             started = {pool: list(slots) for pool, slots in self.started.items()}
         later: list[tuple[str, int, Page]] = []
         problems_early: list[tuple[str, int, Page, PageFormatError]] = []
-        early: dict[int, Future[list[Any]]] = {}
+        early: dict[int, _Check] = {}
         ok = PageResult.OK
         for pool, pages in self.pages.items():
             slots, res = started[pool], out[pool]
             if None in slots:  # pages the backend neither read through the core nor announced
                 later.extend((pool, i, pages[i]) for i, f in enumerate(slots) if f is None and res[i] is ok)
-            for fut in set(slots):  # a check per run: its failures count only where the page is OK
+            for fut in set(slots):  # a check per run or read_runs call: its failures count only where OK
                 if fut is not None:
                     early[id(fut)] = fut
         for fut in early.values():
             try:
-                found = fut.result()
+                found, unread = fut.result()
             except Exception:  # noqa: BLE001 - a check that did not finish is done again here
                 later.extend((pool, i, self.pages[pool][i]) for pool, slots in started.items()
                              for i, f in enumerate(slots) if f is fut and out[pool][i] is ok)
                 continue
             problems_early.extend(p for p in found if out[p[0]][p[1]] is ok)
+            # pages it was to read and did not, still its own when the call ended: checked here
+            later.extend((pool, i, self.pages[pool][i]) for pool, i in unread
+                         if started[pool][i] is fut and out[pool][i] is ok)
         self.store._mark([*problems_early, *(self.store._check(later) if later else [])], out)
 
 
@@ -823,6 +827,8 @@ def _named(failed: Sequence[tuple[str, int, Page]]) -> list[tuple[str, int, Page
 
 
 _RESULT_TYPE = {PageResult}  # results that need no conversion
+# an early check: (the pages that failed it, each with its problem; the pages it was to read and did not)
+_Check = Future[tuple[list[tuple[str, int, Page, PageFormatError]], Sequence[tuple[str, int]]]]
 
 
 def _as_result(r: object) -> PageResult:

@@ -238,3 +238,38 @@ def test_a_run_that_was_not_read_is_checked_after_the_call(tmp_path: Path) -> No
     finally:
         os.close(fd)
         store.close()
+
+
+def test_a_run_not_read_while_the_call_settles_is_still_checked(tmp_path: Path, monkeypatch) -> None:
+    """The race a backend that returned too early opens: the call settles (its snapshot of the
+    checks taken) while read_runs is still in flight, and then a run turns out not read. Those
+    pages were marked as the call's check when the snapshot was taken; they must be checked, not
+    taken as verified."""
+    import threading
+
+    path, keys, _payloads, _ends = _one_file(tmp_path, 2, 30000)
+    pages = [Page(k, k[:64], NS, (Buffer.of(bytearray(30000)),)) for k in keys]
+    store = _store()
+    fd = os.open(path, os.O_RDONLY)
+    out = {KV: [PageResult.OK, PageResult.OK]}  # what the backend answered (before the read ended)
+    try:
+        transfers = store.attach_headers([PageTransfer(KV, pages)], made=False)
+        early = store_mod._EarlyVerifier(store, transfers, time.monotonic() + 60)
+        settler = threading.Thread(target=early.settle, args=(out,))
+
+        def late_read(*args: object) -> list:
+            settler.start()  # the call settles now: snapshot, then it waits for this check
+            t0 = time.monotonic()
+            while early.open and time.monotonic() - t0 < 10:
+                time.sleep(0.001)
+            assert not early.open
+            return [None]  # ... and the run was not read after all
+
+        monkeypatch.setattr(store_mod._native, "read_runs", late_read)
+        assert early.read_runs([(fd, 0, [(KV, 0), (KV, 1)])], 2) == [None]
+        settler.join(timeout=10)
+        assert not settler.is_alive()
+        assert out[KV] == [PageResult.CORRUPT, PageResult.CORRUPT]
+    finally:
+        os.close(fd)
+        store.close()

@@ -18,6 +18,7 @@
 #include "_native_team.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 
 #define MAX_HELPERS 64
@@ -60,6 +61,7 @@ static void take_all(team *t) {
 
 static void *helper(void *unused) {
     (void)unused;
+    pthread_setname_np(pthread_self(), "hcd-team"); /* as top -H and /proc/<pid>/task/<tid>/comm show it */
     pthread_mutex_lock(&mu);
     for (;;) {
         team *t = teams;
@@ -98,14 +100,22 @@ void hcd_team_run(hcd_work work, void *ctx, ptrdiff_t n, int threads) {
     team **end = &teams;
     while (*end != NULL) end = &(*end)->link;
     *end = &t;
-    for (int more = t.room - idle; more > 0 && helpers < MAX_HELPERS; more--) {
-        pthread_t id;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&attr, 256 << 10);
-        if (pthread_create(&id, &attr, helper, NULL) == 0) helpers++;
-        pthread_attr_destroy(&attr);
+    if (t.room > idle && helpers < MAX_HELPERS) {
+        /* helpers block every signal (inherited from here): signals go to the process's own threads,
+         * where Python handles them, and a helper's preadv is never interrupted */
+        sigset_t all, before;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &before);
+        for (int more = t.room - idle; more > 0 && helpers < MAX_HELPERS; more--) {
+            pthread_t id;
+            pthread_attr_t attr;
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            pthread_attr_setstacksize(&attr, 256 << 10);
+            if (pthread_create(&id, &attr, helper, NULL) == 0) helpers++;
+            pthread_attr_destroy(&attr);
+        }
+        pthread_sigmask(SIG_SETMASK, &before, NULL);
     }
     if (idle > 0) pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&mu);

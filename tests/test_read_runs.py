@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -131,6 +132,11 @@ def test_no_run_starts_after_the_deadline_and_none_touches_memory(tmp_path: Path
 
 
 def test_helpers_share_the_runs(tmp_path: Path) -> None:
+    _read_until_helped(tmp_path)
+
+
+def _read_until_helped(tmp_path: Path) -> None:
+    """Read 64 runs of 256 KiB with 4 threads, exactly, until a helper took part (at most 20 calls)."""
     path, keys, payloads, ends = _one_file(tmp_path, 64, 256 << 10)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -273,3 +279,22 @@ def test_a_run_not_read_while_the_call_settles_is_still_checked(tmp_path: Path, 
     finally:
         os.close(fd)
         store.close()
+
+
+def test_helpers_are_named_and_block_every_signal(tmp_path: Path) -> None:
+    """Helper threads show as ``hcd-team`` (top -H, /proc) and block every signal, so signals reach
+    the process's own threads (where Python handles them) and a helper's read is never interrupted."""
+    _read_until_helped(tmp_path)  # at least one helper has started
+    masks = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() != "hcd-team":
+                continue
+            status = (task / "status").read_text()
+        except FileNotFoundError:  # a thread that just ended
+            continue
+        masks.append(int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16))
+    assert masks, "no hcd-team thread in /proc/self/task"
+    # signals 1-31, bit n-1 for signal n, but SIGKILL (9) and SIGSTOP (19), which no thread can block
+    blockable = ((1 << 31) - 1) & ~(1 << (signal.SIGKILL - 1)) & ~(1 << (signal.SIGSTOP - 1))
+    assert all(m & blockable == blockable for m in masks), [hex(m) for m in masks]

@@ -29,6 +29,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <stdatomic.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -80,6 +81,7 @@ static const unsigned char MAGIC[8] = {'H', 'C', 'D', 'P', 'A', 'G', 'E', 0};
 #endif
 
 static PyObject *str_ptr, *str_nbytes, *str_key, *str_namespace, *str_buffers, *str_header;
+static double monotonic_now(void);
 
 /* ---- buffers ---------------------------------------------------------------------------- */
 
@@ -370,17 +372,27 @@ out:
     return rc;
 }
 
-/* One batch's headers made (pack: written to `out`) or checked (against each page's header, `bad`
- * set where they differ), page i by whichever thread takes it (_native_team.c). */
+/* One batch's headers made (pack: written to `out`, or into each page's own header) or checked
+ * (against each page's header, `bad` set where they differ), page i by whichever thread takes it
+ * (_native_team.c). A pack with a deadline or a stop flag makes no header once either is hit. */
 typedef struct {
     batch *b;
-    unsigned char *out; /* pack: the headers, 64 bytes each */
+    unsigned char *out; /* pack: the headers, 64 bytes each (NULL: each page's own header) */
     unsigned char *bad; /* check: 1 where a page's header is not the one made from its bytes */
+    double deadline;
+    const volatile unsigned char *stop; /* a byte the caller sets to stop it (NULL: none) */
+    _Atomic int late;   /* a page was not made: the deadline passed or stop was set */
 } headers_ctx;
 
 static void pack_one(void *ctx, ptrdiff_t i) {
     headers_ctx *c = ctx;
-    make_one(&c->b->jobs[i], c->b->payload.iov, c->out + i * HEADER_SIZE);
+    if (atomic_load(&c->late) || (c->stop != NULL && c->stop[0]) ||
+        (isfinite(c->deadline) && monotonic_now() > c->deadline)) {
+        atomic_store(&c->late, 1);
+        return;
+    }
+    page_job *j = &c->b->jobs[i];
+    make_one(j, c->b->payload.iov, c->out != NULL ? c->out + i * HEADER_SIZE : j->header);
 }
 
 static void check_one(void *ctx, ptrdiff_t i) {
@@ -390,31 +402,55 @@ static void check_one(void *ctx, ptrdiff_t i) {
     c->bad[i] = memcmp(made, c->b->jobs[i].header, HEADER_SIZE) != 0;
 }
 
+/* pack_headers(out, items, codes, namespace_bytes, threads=1, deadline=inf, stop=None)
+ *
+ * Every item's header into `out` at 64 * i, or, with `out` None, into each item's own `header`
+ * buffer. Past `deadline` (time.monotonic), or once the first byte of the buffer `stop` is
+ * nonzero, no further header is made and TimeoutError is raised. */
 static PyObject *pack_headers(PyObject *self, PyObject *args) {
-    PyObject *out, *items, *codes, *fallback;
+    PyObject *out, *items, *codes, *fallback, *stop = Py_None;
     int threads = 1;
-    if (!PyArg_ParseTuple(args, "OOOO|i:pack_headers", &out, &items, &codes, &fallback, &threads)) return NULL;
-    Py_buffer ov;
-    if (PyObject_GetBuffer(out, &ov, PyBUF_WRITABLE) < 0) return NULL;
-    batch b;
-    if (batch_load(&b, items, codes, fallback, 0) < 0) {
-        batch_free(&b);
-        PyBuffer_Release(&ov);
+    double deadline = INFINITY;
+    if (!PyArg_ParseTuple(args, "OOOO|idO:pack_headers", &out, &items, &codes, &fallback, &threads, &deadline, &stop))
+        return NULL;
+    Py_buffer ov = {0}, sv = {0};
+    int own = out == Py_None; /* into each page's own header */
+    if (!own && PyObject_GetBuffer(out, &ov, PyBUF_WRITABLE) < 0) return NULL;
+    if (stop != Py_None && PyObject_GetBuffer(stop, &sv, PyBUF_SIMPLE) < 0) {
+        if (!own) PyBuffer_Release(&ov);
         return NULL;
     }
-    if (ov.len < b.n * HEADER_SIZE) {
-        batch_free(&b);
-        PyBuffer_Release(&ov);
-        return PyErr_Format(PyExc_ValueError, "output holds %zd bytes, %zd headers need %zd", ov.len, b.n,
-                            b.n * HEADER_SIZE);
+    PyObject *res = NULL;
+    batch b;
+    if (stop != Py_None && sv.len < 1) {
+        PyErr_SetString(PyExc_ValueError, "stop must hold at least one byte");
+        memset(&b, 0, sizeof(b));
+        goto done;
     }
-    headers_ctx c = {&b, ov.buf, NULL};
+    if (batch_load(&b, items, codes, fallback, own ? 2 : 0) < 0) goto done;
+    if (!own && ov.len < b.n * HEADER_SIZE) {
+        PyErr_Format(PyExc_ValueError, "output holds %zd bytes, %zd headers need %zd", ov.len, b.n, b.n * HEADER_SIZE);
+        goto done;
+    }
+    headers_ctx c = {&b, own ? NULL : ov.buf, NULL, deadline, stop != Py_None ? sv.buf : NULL, 0};
     Py_BEGIN_ALLOW_THREADS
     hcd_team_run(pack_one, &c, b.n, threads);
     Py_END_ALLOW_THREADS
+    if (atomic_load(&c.late)) {
+        PyObject *exc_args = Py_BuildValue("(is)", ETIMEDOUT, "headers past the deadline or after stop");
+        if (exc_args != NULL) {
+            PyErr_SetObject(PyExc_TimeoutError, exc_args);
+            Py_DECREF(exc_args);
+        }
+        goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
     batch_free(&b);
-    PyBuffer_Release(&ov);
-    Py_RETURN_NONE;
+    if (!own) PyBuffer_Release(&ov);
+    if (stop != Py_None) PyBuffer_Release(&sv);
+    return res;
 }
 
 static PyObject *mismatches(PyObject *self, PyObject *args) {
@@ -431,7 +467,7 @@ static PyObject *mismatches(PyObject *self, PyObject *args) {
         batch_free(&b);
         return PyErr_NoMemory();
     }
-    headers_ctx c = {&b, NULL, bad};
+    headers_ctx c = {&b, NULL, bad, INFINITY, NULL, 0};
     Py_BEGIN_ALLOW_THREADS
     hcd_team_run(check_one, &c, b.n, threads);
     Py_END_ALLOW_THREADS
@@ -1055,8 +1091,9 @@ fail:
 
 static PyMethodDef methods[] = {
     {"pack_headers", pack_headers, METH_VARARGS,
-     "pack_headers(out, items, codes, namespace_bytes, threads=1): write the 64-byte header of every item into "
-     "out, the items shared by the calling thread and up to threads - 1 helper threads."},
+     "pack_headers(out, items, codes, namespace_bytes, threads=1, deadline=inf, stop=None): write the 64-byte "
+     "header of every item into out (None: into each item's header), the items shared by the calling thread and "
+     "up to threads - 1 helper threads; TimeoutError past deadline or once stop[0] is set."},
     {"mismatches", mismatches, METH_VARARGS,
      "mismatches(pages, codes, namespace_bytes, threads=1) -> indices of pages whose header is not the one made "
      "from their key, namespace, pool and buffers (shared like pack_headers)."},

@@ -6,7 +6,8 @@ IOV_MAX: int
 HEADER_SIZE: int
 
 def pack_headers(
-    out: object, items: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes], threads: int = 1
+    out: object | None, items: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes],
+    threads: int = 1, deadline: float = ..., stop: object | None = None,
 ) -> None: ...
 def mismatches(
     pages: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes], threads: int = 1

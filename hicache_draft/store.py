@@ -33,7 +33,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +49,6 @@ from hicache_draft.page_format import (
     PageFormatError,
     check_page,
     namespace_bytes,
-    pack_page_headers,
     pool_code,
 )
 from hicache_draft.plugins import get_backend, new_plugin_manager
@@ -132,7 +130,6 @@ class Store:
         self._logged: set[str] = set()
         self._closed = False
         self.corrupt_pages = 0  # pages a backend reported OK that failed the core's verification
-        self._verify_pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def open(
@@ -242,7 +239,7 @@ class Store:
             kwargs["read_runs"] = early.read_runs
         else:  # every spec argument is passed (pluggy warns otherwise)
             writer = (_RecordWriter(transfers, deadline) if writes else
-                      _HeaderMaker(transfers, deadline, self._verifiers()) if on_demand else None)
+                      _HeaderMaker(transfers, deadline) if on_demand else None)
             kwargs["write_records"] = writer.write_records if isinstance(writer, _RecordWriter) else None
             kwargs["make_headers"] = writer.make_headers if isinstance(writer, _HeaderMaker) else None
         status, value, fut = self._call(hook, kwargs, deadline)
@@ -290,13 +287,6 @@ class Store:
             res = list(got)
             out[t.pool] = res if set(map(type, res)) <= _RESULT_TYPE else [_as_result(r) for r in res]
         return out
-
-    def _verifiers(self) -> ThreadPoolExecutor:
-        if self._verify_pool is None:
-            with self._lock:
-                if self._verify_pool is None:
-                    self._verify_pool = ThreadPoolExecutor(_VERIFY_WORKERS, thread_name_prefix="hicache-draft-verify")
-        return self._verify_pool
 
     def _check(self, todo: Sequence[tuple[str, int, Page]]) -> list[tuple[str, int, Page, PageFormatError]]:
         """Verify pages now, shared by the core's compiled threads when there are many bytes."""
@@ -420,8 +410,6 @@ class Store:
             log.warning("backend %r: close %s", self.name, "timed out" if status == "timeout" else value)
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._verify_pool is not None:
-            self._verify_pool.shutdown(wait=False)
 
     def __enter__(self) -> Store:
         return self
@@ -523,18 +511,17 @@ class _RecordWriter:
 class _HeaderMaker:
     """The core's ``make_headers`` for one ``page_set`` (backends that declare
     ``headers_on_demand``): it makes the headers of the pages the backend is about to send, from
-    their bytes, until the call returns or is abandoned; :meth:`close` waits for a call in progress
-    (at most one piece of ``_HEADER_PIECE`` bytes per backend thread)."""
+    their bytes (a large request shared by the core's compiled threads), until the call returns or
+    is abandoned; every page checks the deadline and the stop flag :meth:`close` sets, and
+    :meth:`close` waits for a request in progress (at most one page per thread after the flag)."""
 
-    def __init__(
-        self, transfers: Sequence[PageTransfer], deadline: float, executor: ThreadPoolExecutor | None = None
-    ) -> None:
+    def __init__(self, transfers: Sequence[PageTransfer], deadline: float) -> None:
         self.pages = {t.pool: t.pages for t in transfers}
         self.deadline = deadline
-        self.executor = executor  # a large request is shared among these threads and the caller's
         self.cond = threading.Condition()
         self.open = True
         self.busy = 0
+        self.stop = bytearray(1)  # read by the compiled code before each page: 1 once the call ended
 
     def make_headers(self, pool: str, indices: Sequence[int]) -> None:
         """Make the headers of ``indices`` of ``pool``'s transfer (see the ``page_set`` hookspec)."""
@@ -543,68 +530,29 @@ class _HeaderMaker:
         if pages is None or not all(i.__class__ is int and 0 <= i < len(pages) for i in idx):
             bad = next((i for i in idx if pages is None or not (i.__class__ is int and 0 <= i < len(pages))), None)
             raise ValueError(f"make_headers: no page {bad!r} of pool {pool!r} in this call")
-        pieces = _header_pieces(pages, sorted(set(idx)))
-        total = sum(p.nbytes for piece in pieces for p in piece)
-        workers = min(_VERIFY_WORKERS, len(pieces), max(1, total // _VERIFY_CHUNK_BYTES))
-        if self.executor is None or workers <= 1:
-            self._make(pool, pieces)
-            return
-        shares = [pieces[w::workers] for w in range(workers)]
-        futures = [self.executor.submit(self._make, pool, sh) for sh in shares[1:]]
+        todo = [pages[i] for i in sorted(set(idx))]
+        with self.cond:
+            if not self.open or time.monotonic() >= self.deadline:
+                raise RuntimeError("make_headers after the page_set call ended or was abandoned")
+            self.busy += 1
         try:
-            self._make(pool, shares[0])
-        finally:  # no share outlives the request (they read the caller's pages)
-            wait_all(futures)
-        for f in futures:
-            f.result()
-
-    def _make(self, pool: str, pieces: Sequence[list[Page]]) -> None:
-        for piece in pieces:
+            _native.pack_headers(None, todo, pool_code(pool), namespace_bytes,
+                                 _threads_for(sum(p.nbytes for p in todo)), self.deadline, self.stop)
+        except TimeoutError:
+            raise RuntimeError("make_headers after the page_set call ended or was abandoned") from None
+        finally:
             with self.cond:
-                if not self.open or time.monotonic() >= self.deadline:
-                    raise RuntimeError("make_headers after the page_set call ended or was abandoned")
-                self.busy += 1
-            try:
-                first = piece[0].header
-                assert first is not None
-                pack_page_headers(Buffer(first.ptr, HEADER_SIZE * len(piece), first).view(), piece, pool)
-            finally:
-                with self.cond:
-                    self.busy -= 1
-                    self.cond.notify_all()
+                self.busy -= 1
+                self.cond.notify_all()
 
     def close(self) -> None:
         with self.cond:
             self.open = False
+            self.stop[0] = 1
             self.cond.wait_for(lambda: self.busy == 0, timeout=_HEADER_CLOSE_S)
 
 
-_HEADER_PIECE = 1 << 20  # make_headers hashes this much at most between two checks that the call is still on
-_HEADER_CLOSE_S = 5.0  # bound on waiting for a piece in progress (a piece takes well under a millisecond)
-
-
-def _header_pieces(pages: Sequence[Page], indices: list[int]) -> list[list[Page]]:
-    """``indices`` (sorted, distinct) cut into runs of pages whose headers lie back to back in one
-    block, each of at most ``_HEADER_PIECE`` bytes (a larger page alone)."""
-    out: list[list[Page]] = []
-    cur: list[Page] = []
-    size = 0
-    prev = -2
-    for i in indices:
-        page = pages[i]
-        head = page.header
-        assert head is not None
-        n = page.nbytes
-        if cur and (i != prev + 1 or size + n > _HEADER_PIECE
-                    or head.ptr != cur[-1].header.ptr + HEADER_SIZE):  # type: ignore[union-attr]
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(page)
-        size += n
-        prev = i
-    if cur:
-        out.append(cur)
-    return out
+_HEADER_CLOSE_S = 5.0  # bound on waiting for a request in progress (it stops at its next page)
 
 
 class _EarlyVerifier:

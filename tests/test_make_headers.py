@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import pytest
@@ -86,25 +85,27 @@ def _store() -> Store:
     return Store("ondemand", OnDemand, OnDemand.capabilities, {"space": os.urandom(4).hex()})
 
 
-_SHARED = ThreadPoolExecutor(3)
-
-
 @settings(max_examples=30, deadline=None)
 @given(sizes=st.lists(st.integers(0, 3 << 20), min_size=1, max_size=6), order=st.randoms(use_true_random=False),
        shared=st.booleans())
 def test_the_headers_made_on_demand_are_the_ones_made_before_a_call(sizes, order, shared) -> None:
-    """Any pages, asked in any order and grouping (pieces of 1 MiB at most between checks), in the
-    asking thread or shared with the store's threads, get the headers the core makes before a call."""
+    """Any pages, asked in any order and grouping, in the asking thread or shared with the core's
+    compiled threads, get the headers the core makes before a call."""
     pages, _keep = _pages(sizes)
     before = attach_headers([PageTransfer(KV, pages)], made=True)[0].pages
     zeroed = attach_headers([PageTransfer(KV, pages)], made=False)
-    maker = store_mod._HeaderMaker(zeroed, time.monotonic() + 60, _SHARED if shared else None)
+    maker = store_mod._HeaderMaker(zeroed, time.monotonic() + 60)
     idx = list(range(len(pages)))
     order.shuffle(idx)
-    while idx:
-        n = order.randint(1, len(idx))
-        maker.make_headers(KV, idx[:n])
-        idx = idx[n:]
+    chunk = store_mod._VERIFY_CHUNK_BYTES
+    store_mod._VERIFY_CHUNK_BYTES = 4096 if shared else chunk  # shared: any request of 8 KiB or more
+    try:
+        while idx:
+            n = order.randint(1, len(idx))
+            maker.make_headers(KV, idx[:n])
+            idx = idx[n:]
+    finally:
+        store_mod._VERIFY_CHUNK_BYTES = chunk
     maker.close()
     assert [p.header.view().tobytes() for p in zeroed[0].pages] == [p.header.view().tobytes() for p in before]
 
@@ -170,3 +171,23 @@ def test_the_store_hands_zeroed_headers_only_to_a_backend_that_declares_it() -> 
         finally:
             store.close()
     assert seen == [None]
+
+
+def test_once_the_call_ended_no_header_is_made() -> None:
+    """The stop flag ``close`` sets is read before every page: a request under way stops at its next
+    page, and once ``close`` returned nothing writes a header any more."""
+    from hicache_draft import _native
+    from hicache_draft.page_format import namespace_bytes, pool_code
+
+    pages, _keep = _pages([1 << 20] * 8)
+    zeroed = attach_headers([PageTransfer(KV, pages)], made=False)[0].pages
+    with pytest.raises(TimeoutError):  # the flag already set: not one header made, on any thread
+        _native.pack_headers(None, zeroed, pool_code(KV), namespace_bytes, 4, float("inf"), bytearray(b"\x01"))
+    with pytest.raises(TimeoutError):  # the deadline passed
+        _native.pack_headers(None, zeroed, pool_code(KV), namespace_bytes, 4, time.monotonic() - 1, None)
+    assert not any(any(p.header.view()) for p in zeroed)
+    maker = store_mod._HeaderMaker([PageTransfer(KV, zeroed)], time.monotonic() + 60)
+    maker.close()
+    with pytest.raises(RuntimeError, match="ended or was abandoned"):
+        maker.make_headers(KV, [0])
+    assert not any(any(p.header.view()) for p in zeroed)

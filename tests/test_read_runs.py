@@ -298,3 +298,34 @@ def test_helpers_are_named_and_block_every_signal(tmp_path: Path) -> None:
     # signals 1-31, bit n-1 for signal n, but SIGKILL (9) and SIGSTOP (19), which no thread can block
     blockable = ((1 << 31) - 1) & ~(1 << (signal.SIGKILL - 1)) & ~(1 << (signal.SIGSTOP - 1))
     assert all(m & blockable == blockable for m in masks), [hex(m) for m in masks]
+
+
+def test_many_calls_at_once_share_the_helpers_and_each_gets_its_own_bytes(tmp_path: Path) -> None:
+    """Eight threads calling read_runs at once, over and over (several teams posted together, helpers
+    moving between them): every call gets exactly its own file's bytes and results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = []
+    for f in range(8):
+        path = tmp_path / f"f{f}"
+        keys, payloads, ends = _records(path, [30000 + 997 * f] * 12, 0, 100 + f)
+        files.append((path, keys, payloads, ends))
+
+    def reader(f: int) -> int:
+        path, keys, payloads, ends = files[f]
+        n = len(keys)
+        size = 30000 + 997 * f
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for _ in range(30):
+                pages, _keep = _pages(keys, [size] * n)
+                runs = [(fd, ends[i] - size - 64, [pages[i]], CODE) for i in range(n)]
+                got = _native.read_runs(runs, namespace_bytes, 16384, 3, time.monotonic() + 60)
+                assert got == [(size + 64, [])] * n
+                assert [bytes(p.buffers[0].view()) for p in pages] == payloads
+        finally:
+            os.close(fd)
+        return f
+
+    with ThreadPoolExecutor(8) as ex:
+        assert sorted(ex.map(reader, range(8))) == list(range(8))

@@ -89,7 +89,7 @@ from hicache_draft import (
     parse_header,
     read_into,
 )
-from hicache_draft_file.catalog import Catalog, Segment
+from hicache_draft_file.catalog import _REC_BITS, _REC_MASK, Catalog, Segment
 from hicache_draft_file.journal import Journal, JournalUnavailable, Op, is_leftover
 from hicache_draft_file.naming import (
     FANOUT,
@@ -696,22 +696,30 @@ class FileBackend(StorageBackend):
         self._poll()
         plan: dict[Segment, list[_Item]] = {}  # pages by segment, in call order
         with self._lock:
+            by_sid = self.catalog.by_sid
             for t in transfers:
                 pool = t.pool
                 keys = self.catalog.keys.get(pool)
-                last_seg: Segment | None = None
-                last: list[_Item] = []
+                get = keys.get if keys is not None else None
+                last_sid = -1  # a call's pages are mostly in one segment, in order: its lookups made once
+                seg: Segment | None = None
+                last: list[_Item] | None = None  # seg's plan, made with its first page to read
+                lengths: Sequence[int] = ()
+                offsets: Sequence[int] = ()
                 for i, page in enumerate(t.pages):
                     key = page.key
-                    value = keys.get(key) if keys is not None and isinstance(key, str) else None
+                    value = get(key) if get is not None and isinstance(key, str) else None
                     if value is None:
                         if key_problem(key):
                             results[pool][i] = PageResult.FAILED
                             self._log_once("get:badkey", "file backend: page_get: %s", key_problem(key))
                         continue
-                    seg, rec = self.catalog.entry(value)
-                    index = seg.index
-                    stored = index.lengths[rec]
+                    sid = value >> _REC_BITS
+                    if sid != last_sid:
+                        seg = by_sid[sid]
+                        lengths, offsets, last_sid, last = seg.index.lengths, seg.index.offsets, sid, None
+                    rec = value & _REC_MASK
+                    stored = lengths[rec]
                     bufs = page.buffers
                     nbytes = bufs[0].nbytes if len(bufs) == 1 else sum(map(_NBYTES, bufs))
                     if stored != nbytes:
@@ -722,11 +730,11 @@ class FileBackend(StorageBackend):
                             key, stored, nbytes,
                         )
                         continue
-                    if seg is not last_seg:  # a call's pages are mostly in one segment, in order
-                        last_seg = seg
+                    if last is None:
+                        assert seg is not None
                         got = plan.get(seg)
                         last = plan[seg] = [] if got is None else got
-                    last.append((index.offsets[rec], stored, pool, i, page))
+                    last.append((offsets[rec], stored, pool, i, page))
         if plan:
             self._read_plan(plan, results, deadline, finished or _not_told, read_records, read_runs)
         return results

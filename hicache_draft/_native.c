@@ -372,6 +372,28 @@ out:
     return rc;
 }
 
+/* TimeoutError(ETIMEDOUT, what): a call that stopped at its deadline (or was told to stop). */
+static PyObject *raise_late(const char *what) {
+    PyObject *exc_args = Py_BuildValue("(is)", ETIMEDOUT, what);
+    if (exc_args != NULL) {
+        PyErr_SetObject(PyExc_TimeoutError, exc_args);
+        Py_DECREF(exc_args);
+    }
+    return NULL;
+}
+
+/* The indices i < n where bad[i] is set, as a list. */
+static PyObject *bad_indices(const unsigned char *bad, Py_ssize_t n) {
+    PyObject *lst = PyList_New(0);
+    for (Py_ssize_t i = 0; lst != NULL && i < n; i++) {
+        if (!bad[i]) continue;
+        PyObject *v = PyLong_FromSsize_t(i);
+        if (v == NULL || PyList_Append(lst, v) < 0) Py_CLEAR(lst);
+        Py_XDECREF(v);
+    }
+    return lst;
+}
+
 /* One batch's headers made (pack: written to `out`, or into each page's own header) or checked
  * (against each page's header, `bad` set where they differ), page i by whichever thread takes it
  * (_native_team.c). A pack with a deadline or a stop flag makes no header once either is hit. */
@@ -437,11 +459,7 @@ static PyObject *pack_headers(PyObject *self, PyObject *args) {
     hcd_team_run(pack_one, &c, b.n, threads);
     Py_END_ALLOW_THREADS
     if (atomic_load(&c.late)) {
-        PyObject *exc_args = Py_BuildValue("(is)", ETIMEDOUT, "headers past the deadline or after stop");
-        if (exc_args != NULL) {
-            PyErr_SetObject(PyExc_TimeoutError, exc_args);
-            Py_DECREF(exc_args);
-        }
+        raise_late("headers past the deadline or after stop");
         goto done;
     }
     res = Py_None;
@@ -471,13 +489,7 @@ static PyObject *mismatches(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     hcd_team_run(check_one, &c, b.n, threads);
     Py_END_ALLOW_THREADS
-    PyObject *res = PyList_New(0);
-    for (Py_ssize_t i = 0; res != NULL && i < b.n; i++) {
-        if (!bad[i]) continue;
-        PyObject *v = PyLong_FromSsize_t(i);
-        if (v == NULL || PyList_Append(res, v) < 0) Py_CLEAR(res);
-        Py_XDECREF(v);
-    }
+    PyObject *res = bad_indices(bad, b.n);
     free(bad);
     batch_free(&b);
     return res;
@@ -542,16 +554,6 @@ static PyObject *read_into(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(total);
 }
 
-/* TimeoutError(ETIMEDOUT, ...): a write stopped at its deadline. */
-static PyObject *raise_late(void) {
-    PyObject *exc_args = Py_BuildValue("(is)", ETIMEDOUT, "write ran past its deadline");
-    if (exc_args != NULL) {
-        PyErr_SetObject(PyExc_TimeoutError, exc_args);
-        Py_DECREF(exc_args);
-    }
-    return NULL;
-}
-
 /* Write `n` spans from file offset *offset in calls that end on multiples of `chunk` (IOV_MAX
  * spans at most), as write_from does; *offset advances. 0, an errno, or -1 past the deadline. */
 static int write_spans(int fd, long long *offset, struct iovec *iov, Py_ssize_t n, long long chunk, double deadline,
@@ -614,7 +616,7 @@ static PyObject *write_from(PyObject *self, PyObject *args) {
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (err < 0) return raise_late();
+    if (err < 0) return raise_late("write ran past its deadline");
     return PyLong_FromLongLong(offset - start);
 }
 
@@ -718,7 +720,7 @@ static PyObject *write_records(PyObject *self, PyObject *args) {
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (err < 0) return raise_late();
+    if (err < 0) return raise_late("write ran past its deadline");
     return PyLong_FromLongLong(offset - start);
 }
 
@@ -868,13 +870,7 @@ static void run_free(run_state *r) {
 
 /* (bytes read, [indices of pages that fail]) of a run read without error. */
 static PyObject *run_result(const run_state *r) {
-    PyObject *lst = PyList_New(0);
-    for (Py_ssize_t i = 0; lst != NULL && i < r->b.n; i++) {
-        if (!r->bad[i]) continue;
-        PyObject *v = PyLong_FromSsize_t(i);
-        if (v == NULL || PyList_Append(lst, v) < 0) Py_CLEAR(lst);
-        Py_XDECREF(v);
-    }
+    PyObject *lst = bad_indices(r->bad, r->b.n);
     if (lst == NULL) return NULL;
     PyObject *res = Py_BuildValue("(LO)", r->total, lst);
     Py_DECREF(lst);
@@ -1105,7 +1101,8 @@ static PyMethodDef methods[] = {
      "fail), an OSError or None (not started by the deadline): runs (fd, offset, pages, codes) read and verified "
      "as read_check does, shared by the calling thread and up to threads - 1 helper threads."},
     {"team_helped", team_helped, METH_NOARGS,
-     "team_helped() -> how many times a helper thread took part in a read_runs call (tests)."},
+     "team_helped() -> how many times a helper thread took part in a shared call (read_runs, pack_headers, "
+     "mismatches; tests)."},
     {"read_into", read_into, METH_VARARGS,
      "read_into(fd, offset, buffers) -> bytes read (fewer only at end of file)."},
     {"with_headers", with_headers, METH_VARARGS,

@@ -43,6 +43,11 @@ def _records(path: Path, sizes: list[int], start: int, tag: int) -> tuple[list[s
     return keys, payloads, ends
 
 
+def _records_bytes(keys: list[str], payloads: list[bytes], start: int) -> bytes:
+    """What _records wrote for these keys and payloads (its headers are deterministic)."""
+    return bytes(start) + b"".join(make_header(k, NS, KV, [d]) + d for k, d in zip(keys, payloads, strict=True))
+
+
 def _pages(keys: list[str], sizes: list[int]) -> tuple[list[Page], list[bytearray]]:
     keep: list[bytearray] = []
     pages = []
@@ -74,6 +79,10 @@ def test_every_run_reads_as_it_would_alone(tmp_path_factory, layouts, threads, c
                     blob[f] ^= 0x41
             if cut is not None:  # end of file inside the run
                 del blob[start + (ends[-1] - start) * cut // 10 :]
+            # ground truth: a page fails where a byte of its record changed or its record was cut
+            clean = _records_bytes(keys, payloads, start)
+            spans = [(e - 64 - n, e) for e, n in zip(ends, sizes, strict=True)]
+            damaged = {j for j, (a, e) in enumerate(spans) if e > len(blob) or blob[a:e] != clean[a:e]}
             path.write_bytes(bytes(blob))
             fd = os.open(path, os.O_RDONLY)
             fds.append(fd)
@@ -82,13 +91,14 @@ def test_every_run_reads_as_it_would_alone(tmp_path_factory, layouts, threads, c
             keep += [bufs, twin_bufs]
             runs.append((fd, start, pages, CODE))
             alone.append(_native.read_check(fd, start, twin, CODE, namespace_bytes, chunk))
-            expect.append((pages, twin, payloads))
+            expect.append((pages, twin, payloads, damaged))
         got = _native.read_runs(runs, namespace_bytes, chunk, threads, time.monotonic() + 60)
     finally:
         for fd in fds:
             os.close(fd)
     assert got == alone
-    for (_nread, failed), (pages, twin, payloads) in zip(got, expect, strict=True):
+    for (_nread, failed), (pages, twin, payloads, damaged) in zip(got, expect, strict=True):
+        assert set(failed) == damaged
         for j, (p, t, data) in enumerate(zip(pages, twin, payloads, strict=True)):
             assert bytes(p.header.view()) == bytes(t.header.view())
             if j not in failed:  # a page that passed holds exactly the stored bytes

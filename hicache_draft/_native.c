@@ -982,6 +982,157 @@ fail:
     return out;
 }
 
+/* ---- marking the pages a backend hands the core to read ------------------------------------ */
+
+/* Set every slot this call marked back to None (the pairs of marked[0..n)). */
+static void unmark(PyObject **slot_lists, Py_ssize_t *indices, Py_ssize_t n) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_INCREF(Py_None);
+        PyList_SetItem(slot_lists[k], indices[k], Py_None); /* steals; the slot's reference dropped */
+    }
+}
+
+/* mark_runs(runs, pages, slots, mark, codes) -> [(fd, offset, [Page, ...], codes), ...]
+ *
+ * The Store's marking rule for the runs a backend hands read_records/read_runs: `runs` are
+ * (fd, offset, [(pool, index), ...]); `pages`, `slots` and `codes` map each pool of the call to its
+ * pages, its list of per-page marks (None: not read or announced yet) and its header pool code.
+ * Every (pool, index) must name a page of the call (an exact int index, 0 <= index < len) not
+ * marked yet; its slot is set to `mark`. Returns each run ready for read_runs: its Page objects
+ * in order, and one pool code (int) or one per page (bytes) when its pages' codes differ. On any
+ * refusal (ValueError naming the pool and index) every slot this call set is None again. */
+static PyObject *mark_runs(PyObject *self, PyObject *args) {
+    PyObject *runs_in, *pages, *slots, *mark, *codes;
+    if (!PyArg_ParseTuple(args, "OO!O!OO!:mark_runs", &runs_in, &PyDict_Type, &pages, &PyDict_Type, &slots, &mark,
+                          &PyDict_Type, &codes))
+        return NULL;
+    PyObject *runs = PySequence_Tuple(runs_in);
+    if (runs == NULL) return NULL;
+    Py_ssize_t nruns = PyTuple_Size(runs), lists_cap = 0, idx_cap = 0, marked = 0;
+    PyObject **mlists = NULL;
+    Py_ssize_t *midx = NULL;
+    unsigned char *run_codes = NULL;
+    Py_ssize_t codes_cap = 0;
+    PyObject *out = PyList_New(nruns);
+    PyObject *bad_pool = NULL, *bad_index = NULL; /* borrowed: the pair refused */
+    int already = 0;
+    if (out == NULL) goto fail;
+    PyObject *last = NULL, *got = NULL, *marks = NULL; /* borrowed: the last pool looked up */
+    long code = 0;
+    for (Py_ssize_t r = 0; r < nruns; r++) {
+        PyObject *run = PyTuple_GetItem(runs, r);
+        if (!PyTuple_Check(run) || PyTuple_Size(run) != 3 || !PyLong_Check(PyTuple_GetItem(run, 0)) ||
+            !PyLong_Check(PyTuple_GetItem(run, 1))) {
+            PyErr_SetString(PyExc_TypeError, "a run is (fd, offset, [(pool, index), ...])");
+            goto fail;
+        }
+        PyObject *pairs_in = PyTuple_GetItem(run, 2);
+        PyObject *pairs = PyList_Check(pairs_in) ? PyList_AsTuple(pairs_in) : PySequence_Tuple(pairs_in);
+        if (pairs == NULL) goto fail;
+        Py_ssize_t n = PyTuple_Size(pairs);
+        PyObject *list = PyList_New(n);
+        if (list == NULL || grow((void **)&run_codes, &codes_cap, n ? n : 1, 1) < 0) {
+            Py_XDECREF(list);
+            Py_DECREF(pairs);
+            goto fail;
+        }
+        int mixed = 0;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            PyObject *pair = PyTuple_GetItem(pairs, j);
+            PyObject *pool = NULL, *index = NULL;
+            if (PyTuple_Check(pair) && PyTuple_Size(pair) == 2) {
+                pool = PyTuple_GetItem(pair, 0);
+                index = PyTuple_GetItem(pair, 1);
+            } else if (PyList_Check(pair) && PyList_Size(pair) == 2) {
+                pool = PyList_GetItem(pair, 0);
+                index = PyList_GetItem(pair, 1);
+            }
+            if (pool == NULL) {
+                bad_pool = Py_None;
+                bad_index = pair;
+                goto refuse;
+            }
+            if (pool != last) {
+                got = PyDict_GetItemWithError(pages, pool);
+                marks = got ? PyDict_GetItemWithError(slots, pool) : NULL;
+                PyObject *c = marks ? PyDict_GetItemWithError(codes, pool) : NULL;
+                if (c == NULL || !PyList_Check(got) || !PyList_Check(marks)) {
+                    PyErr_Clear(); /* an unhashable or unknown pool (or not a list): not in this call */
+                    last = NULL;
+                    bad_pool = pool;
+                    bad_index = index;
+                    goto refuse;
+                }
+                code = PyLong_AsLong(c);
+                if (code == -1 && PyErr_Occurred()) goto fail_run;
+                last = pool;
+            }
+            Py_ssize_t i = PyLong_CheckExact(index) ? PyLong_AsSsize_t(index) : -1;
+            if (i == -1 && PyErr_Occurred()) PyErr_Clear();
+            if (i < 0 || i >= PyList_Size(got) || i >= PyList_Size(marks)) {
+                bad_pool = pool;
+                bad_index = index;
+                goto refuse;
+            }
+            if (PyList_GetItem(marks, i) != Py_None) {
+                bad_pool = pool;
+                bad_index = index;
+                already = 1;
+                goto refuse;
+            }
+            if (grow((void **)&mlists, &lists_cap, marked + 1, sizeof(PyObject *)) < 0 ||
+                grow((void **)&midx, &idx_cap, marked + 1, sizeof(Py_ssize_t)) < 0)
+                goto fail_run;
+            Py_INCREF(mark);
+            PyList_SetItem(marks, i, mark);
+            mlists[marked] = marks;
+            midx[marked++] = i;
+            PyObject *page = PyList_GetItem(got, i);
+            Py_INCREF(page);
+            PyList_SetItem(list, j, page);
+            run_codes[j] = (unsigned char)code;
+            mixed = mixed || run_codes[j] != run_codes[0];
+            continue;
+        refuse:
+            if (already)
+                PyErr_Format(PyExc_ValueError, "read_records: page %S of pool %R was already read or announced",
+                             bad_index, bad_pool);
+            else
+                PyErr_Format(PyExc_ValueError, "read_records: no page %R of pool %R in this call", bad_index, bad_pool);
+        fail_run:
+            Py_DECREF(list);
+            Py_DECREF(pairs);
+            goto fail;
+        }
+        Py_DECREF(pairs);
+        PyObject *c = mixed ? PyBytes_FromStringAndSize((const char *)run_codes, n)
+                            : PyLong_FromLong(n ? run_codes[0] : 0);
+        PyObject *item = c ? PyTuple_Pack(4, PyTuple_GetItem(run, 0), PyTuple_GetItem(run, 1), list, c) : NULL;
+        Py_DECREF(list);
+        Py_XDECREF(c);
+        if (item == NULL) goto fail;
+        PyList_SetItem(out, r, item);
+    }
+    free(mlists);
+    free(midx);
+    free(run_codes);
+    Py_DECREF(runs);
+    return out;
+fail:
+    {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        unmark(mlists, midx, marked);
+        PyErr_Restore(et, ev, tb);
+    }
+    free(mlists);
+    free(midx);
+    free(run_codes);
+    Py_XDECREF(out);
+    Py_DECREF(runs);
+    return NULL;
+}
+
 static PyObject *team_helped(PyObject *self, PyObject *unused) { return PyLong_FromLongLong(hcd_team_helped()); }
 
 /* ---- pages with headers ------------------------------------------------------------------- */
@@ -1100,6 +1251,10 @@ static PyMethodDef methods[] = {
      "read_runs(runs, namespace_bytes, chunk, threads, deadline, check=True) -> per run (bytes read, indices of pages that "
      "fail), an OSError or None (not started by the deadline): runs (fd, offset, pages, codes) read and verified "
      "as read_check does, shared by the calling thread and up to threads - 1 helper threads."},
+    {"mark_runs", mark_runs, METH_VARARGS,
+     "mark_runs(runs, pages, slots, mark, codes) -> [(fd, offset, pages, codes), ...]: every (pool, index) of "
+     "runs (fd, offset, pairs) marked read by setting its slot to mark (ValueError, nothing left marked, for a "
+     "page not in the call or already marked); each run's Page objects and pool code(s) ready for read_runs."},
     {"team_helped", team_helped, METH_NOARGS,
      "team_helped() -> how many times a helper thread took part in a shared call (read_runs, pack_headers, "
      "mismatches; tests)."},

@@ -237,6 +237,42 @@ def test_behind_a_store_read_runs_verifies_and_refuses_foreign_pages(tmp_path: P
         store.close()
 
 
+@pytest.mark.parametrize("how", ["read_runs", "read_records", "finished"])
+def test_pages_the_core_did_not_check_are_checked_after_the_call(tmp_path: Path, how: str) -> None:
+    """A call whose checks all passed settles without looking again only when they covered every
+    page: a backend that reads some pages through the core (or announces them) and reports all
+    of them OK gets the rest checked after the call (zeroed headers: CORRUPT); a page announced
+    twice is counted once."""
+    path, keys, payloads, ends = _one_file(tmp_path, 4, 30000)
+    pages = [Page(k, k[:64], NS, (Buffer.of(bytearray(30000)),)) for k in keys]
+    store = _store()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        transfers = store.attach_headers([PageTransfer(KV, pages)], made=False)
+        early = store_mod._EarlyVerifier(store, transfers, time.monotonic() + 60)
+        if how == "read_runs":
+            assert early.read_runs([(fd, 0, [(KV, 0)]), (fd, ends[0], [(KV, 1), (KV, 2)])], 2) == [ends[0],
+                                                                                                   ends[2] - ends[0]]
+        elif how == "read_records":
+            assert early.read_records(fd, 0, [(KV, 0), (KV, 1), (KV, 2)]) == ends[2]
+        else:
+            with open(path, "rb") as f:  # the backend reads pages 0-2 itself, then announces them
+                for i in range(3):
+                    f.seek(ends[i] - 30000 - 64)
+                    transfers[0].pages[i].header.view()[:] = f.read(64)
+                    transfers[0].pages[i].buffers[0].view()[:] = f.read(30000)
+            early.finished(KV, [0, 1, 2])
+            early.finished(KV, [1, 2])  # announced again: neither checked nor counted twice
+        assert early.clean == 3
+        out = {KV: [PageResult.OK] * 4}  # page 3 was never read: its header is zeros
+        early.settle(out)
+        assert out[KV] == [PageResult.OK] * 3 + [PageResult.CORRUPT]
+        assert [bytes(transfers[0].pages[i].buffers[0].view()) for i in range(3)] == payloads[:3]
+    finally:
+        os.close(fd)
+        store.close()
+
+
 def test_a_run_that_was_not_read_is_checked_after_the_call(tmp_path: Path) -> None:
     """A run past the deadline (or whose read failed) is not taken as verified: a backend that
     still reports its pages OK gets them checked after the call, and they are CORRUPT."""
@@ -339,3 +375,54 @@ def test_many_calls_at_once_share_the_helpers_and_each_gets_its_own_bytes(tmp_pa
 
     with ThreadPoolExecutor(8) as ex:
         assert sorted(ex.map(reader, range(8))) == list(range(8))
+
+
+def _mark_reference(runs, pages, slots, mark, codes):  # noqa: ANN001, ANN202 - the rule, in plain Python
+    """What ``mark_runs`` must do, written out: every pair names a page of the call (an exact int
+    index in range) not marked yet, which it marks; all or nothing."""
+    marked, out = [], []
+    for fd, offset, pairs in runs:
+        run, run_codes = [], []
+        for pool, i in pairs:
+            ok = pool in pages and i.__class__ is int and 0 <= i < len(pages[pool])
+            if not ok or slots[pool][i] is not None:
+                for p, j in marked:
+                    slots[p][j] = None
+                raise ValueError(f"no page {i!r}" if not ok else "already read")
+            slots[pool][i] = mark
+            marked.append((pool, i))
+            run.append(pages[pool][i])
+            run_codes.append(codes[pool])
+        same = len(set(run_codes)) <= 1
+        out.append((fd, offset, run, (run_codes[0] if run_codes else 0) if same else bytes(run_codes)))
+    return out
+
+
+_PAIR = st.tuples(st.sampled_from([KV, PoolKind.DRAFT, "indexer", "nope"]),
+                  st.one_of(st.integers(-2, 6), st.sampled_from([True, 1.0, "1", None])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs=st.lists(st.lists(_PAIR, max_size=6), max_size=5), lists=st.booleans(), premarked=st.integers(-1, 3))
+def test_mark_runs_follows_the_marking_rule(runs, lists, premarked) -> None:
+    """The compiled marking (``_native.mark_runs``, what the Store's ``read_records`` and
+    ``read_runs`` use) does exactly what the rule says for any runs, foreign, repeated, mistyped or
+    already-marked pages among them: the same pages and codes, or a ValueError naming the page
+    with every slot as it was before the call."""
+    pages = {KV: [f"kv{i}" for i in range(4)], PoolKind.DRAFT: [f"d{i}" for i in range(2)], "indexer": ["x0"]}
+    codes = {p: pool_code(p) for p in pages}
+    slots = {p: [None] * len(v) for p, v in pages.items()}
+    if premarked >= 0:
+        slots[KV][premarked] = "earlier"
+    ref_slots = {p: list(v) for p, v in slots.items()}
+    args = [(3 + k, 100 * k, [list(p) if lists else p for p in run] if lists else run) for k, run in enumerate(runs)]
+    try:
+        want = _mark_reference(args, pages, ref_slots, "m", codes)
+    except ValueError as exc:
+        before = {p: list(v) for p, v in slots.items()}
+        with pytest.raises(ValueError, match="no page" if "no page" in str(exc) else "already read"):
+            _native.mark_runs(args, pages, slots, "m", codes)
+        assert slots == before
+        return
+    assert _native.mark_runs(args, pages, slots, "m", codes) == want
+    assert slots == ref_slots

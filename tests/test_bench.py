@@ -25,17 +25,55 @@ def test_pipeline_bench_measures_every_step_and_restores_exact_bytes(tmp_path):
 
 def test_verification_bench_reads_back_what_it_stored(tmp_path):
     cost = measure("file", {"root": str(tmp_path / "root")}, page_bytes=64 << 10, pages=16, rounds=2)
-    assert cost.store_s > 0 and cost.bare_s > 0
+    assert cost.store_s > 0 and cost.bare_s > 0 and cost.unverified_s > 0
+    assert "unverified" in cost.row() and "the core over the bare hook" in cost.row()
     assert "% of page_get" in cost.row()
     # the one-thread run: at least 2 MiB of records (all 16 pages here), read plain and read and checked
     assert cost.run_pages == 16 and cost.run_read_s > 0 and cost.run_checked_s > 0
     assert "run of 16 pages" in cost.row() and "floor" in cost.row()
 
 
-def test_verification_bench_runs_both_reads_as_the_store_runs_calls(tmp_path, monkeypatch):
-    """The verified and the bare read both run on the store's worker threads: the bounded call's
-    hand-over is paid by both, so the share is the verification's alone (it ran the bare hook in
-    the caller's thread, which counted the hand-over as verification)."""
+def test_the_unverified_variant_is_the_store_call_without_the_check(tmp_path):
+    """``unverified`` is the same Store.page_get with only the check left out: it reads through the
+    core's threads as the verified call does (the pages come back), a rotten page comes back OK from
+    it and CORRUPT from the real store, and a store whose verifier was swapped verifies again after."""
+    import os
+
+    from hicache_draft import Buffer, Page, PageResult, PageTransfer, PoolKind, Store, make_key
+    from hicache_draft.bench.verification import _Unverified
+
+    ns = "ef" * 12
+    store = Store.open("file", {"root": str(tmp_path / "root")})
+    try:
+        data = [os.urandom(64 << 10) for _ in range(4)]
+        groups = [f"{i:064x}" for i in range(4)]
+        pages = [Page(make_key(g, ns), g, ns, (Buffer.of(bytearray(d)),)) for g, d in zip(groups, data, strict=True)]
+        assert store.page_set([PageTransfer(PoolKind.KV, pages)])[PoolKind.KV] == [PageResult.OK] * 4
+        seg = max((p for p in (tmp_path / "root").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        blob = bytearray(seg.read_bytes())
+        at = blob.find(data[2][:64])
+        blob[at + 1000] ^= 0xFF  # page 2's payload rots on disk
+        seg.write_bytes(bytes(blob))
+
+        def read() -> tuple[list[PageResult], list[bytes]]:
+            into = [Page(p.key, p.group, ns, (Buffer.of(bytearray(64 << 10)),)) for p in pages]
+            got, _ = store.page_get([PageTransfer(PoolKind.KV, into)])
+            return got[PoolKind.KV], [bytes(p.buffers[0].view()) for p in into]
+
+        store._verifier = _Unverified
+        results, read_back = read()
+        assert results == [PageResult.OK] * 4 and read_back[:2] == data[:2] and read_back[2] != data[2]
+        del store._verifier
+        results, read_back = read()
+        assert results == [PageResult.OK, PageResult.OK, PageResult.CORRUPT, PageResult.OK]
+    finally:
+        store.close()
+
+
+def test_verification_bench_runs_every_read_as_the_store_runs_calls(tmp_path, monkeypatch):
+    """The verified, the unverified and the bare read all run on the store's worker threads: the
+    bounded call's hand-over is paid by each, so it is never counted as verification (it ran the
+    bare hook in the caller's thread once, which counted the hand-over as verification)."""
     import threading
 
     from hicache_draft.bench import verification
@@ -54,7 +92,7 @@ def test_verification_bench_runs_both_reads_as_the_store_runs_calls(tmp_path, mo
     monkeypatch.setattr(verification.Store, "open",
                         lambda name, options=None, context=None: real(name, options, context, observers=[Spy()]))
     measure("file", {"root": str(tmp_path / "root")}, page_bytes=16 << 10, pages=4, rounds=2)
-    assert len(threads) == 4, threads
+    assert len(threads) == 6, threads
     assert all(name.startswith("hicache-draft-file") for name in threads), threads
 
 

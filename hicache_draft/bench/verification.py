@@ -1,10 +1,15 @@
 """What the core's verification of restored pages costs, on a real backend.
 
-Every round stores nothing new: it reads the same ``pages`` pages of ``page_bytes`` each twice,
-back to back, into the same destination memory:
+Every round stores nothing new: it reads the same ``pages`` pages of ``page_bytes`` each three
+times, back to back, into the same destination memory:
 
 * ``store``: :meth:`hicache_draft.Store.page_get`, as the controller and the SGLang adapter call
   it: headers handed out, every page verified (early where the backend reports pages finished);
+* ``unverified``: the very same :meth:`~hicache_draft.Store.page_get` with the check left out and
+  nothing else changed (the store's verifier swapped for one that marks the pages the backend
+  hands it as the real one does, reads them with the same compiled threads without hashing,
+  ignores ``finished`` and checks nothing after the call): ``(store - unverified) / store`` is the
+  share of ``page_get`` time the verification costs;
 * ``bare``: the backend's own ``page_get`` hook with the same headers and nothing verified, run
   as the store runs every call (on its worker threads, bounded by its deadline: that hand-over is
   the price of the bound, not of verification, and costs both variants the same); a
@@ -13,8 +18,9 @@ back to back, into the same destination memory:
   with the check left out) and checks nothing, so both variants share the backend's plan, threads
   and reads, and differ only in the verification.
 
-The ratio ``(store - bare) / store`` is the share of ``page_get`` time the verification costs.
-Medians over ``rounds``; the two variants alternate so that drift hits both.
+The ratio ``(store - bare) / store`` is the share of everything the core adds to the hook: the
+verification, and the store's own handling of a call (the results' shape, the call's bookkeeping).
+Medians over ``rounds``; the variants alternate so that drift hits all of them.
 
 The same run also times the check alone (``hash``: :func:`~hicache_draft.corrupt_pages` in one
 thread over a piece of the size the core reads and hashes at a time, ``_RECORD_CHUNK``, so that it
@@ -40,7 +46,7 @@ import secrets
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +55,7 @@ from hicache_draft.buffer_io import read_into, write_from
 from hicache_draft.capabilities import PoolKind
 from hicache_draft.keys import make_key
 from hicache_draft.page_format import HEADER_SIZE, corrupt_pages, namespace_bytes, pack_page_headers, pool_code
-from hicache_draft.store import _RECORD_CHUNK, _VERIFY_WORKERS, Store
+from hicache_draft.store import _RECORD_CHUNK, _VERIFY_WORKERS, Store, _EarlyVerifier
 from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer
 
 
@@ -60,6 +66,7 @@ class VerificationCost:
     store_s: float
     bare_s: float
     hash_s: float = 0.0  # the check alone, one thread, each page in this core's cache
+    unverified_s: float = 0.0  # the same Store.page_get with the check left out
     threads: int = 1  # the threads the core verifies with
     run_pages: int = 0  # the one-thread run: pages read from one file of records in the core's format
     run_read_s: float = 0.0  # that run read unchecked (one read_into)
@@ -73,6 +80,12 @@ class VerificationCost:
 
     @property
     def share(self) -> float:
+        """What verifying costs: the verified call against the same call without the check."""
+        return (self.store_s - self.unverified_s) / self.store_s
+
+    @property
+    def core_share(self) -> float:
+        """What the core adds to the backend's bare hook: verification and the store's own handling."""
         return (self.store_s - self.bare_s) / self.store_s
 
     @property
@@ -85,7 +98,9 @@ class VerificationCost:
     def row(self) -> str:
         gb = self.page_bytes * self.pages / 1e9
         return (f"{self.page_bytes >> 10:>6} KiB x {self.pages:<4} | store {gb / self.store_s:6.2f} GB/s | "
-                f"bare {gb / self.bare_s:6.2f} GB/s | verification {self.share * 100:5.1f}% of page_get | "
+                f"unverified {gb / self.unverified_s:6.2f} GB/s | bare {gb / self.bare_s:6.2f} GB/s | "
+                f"verification {self.share * 100:5.1f}% of page_get (the core over the bare hook "
+                f"{self.core_share * 100:5.1f}%) | "
                 f"hash alone {gb / self.hash_s:6.2f} GB/s a thread: floor {self.floor * 100:4.1f}% with {self.threads} "
                 f"thread(s) | one thread's run of {self.run_pages} pages read {self.run_read_s * 1e3:.3f} ms, read and "
                 f"checked {self.run_checked_s * 1e3:.3f} ms: floor {self.run_floor * 100:4.1f}%")
@@ -104,15 +119,41 @@ def _unchecked_runs(
 ) -> Callable[[Sequence[tuple[int, int, Sequence[tuple[str, int]]]], int], list[int | OSError | None]]:
     """A ``read_runs`` that reads the runs on the same threads in the same way and checks nothing
     (the ``bare`` variant)."""
-    pages = {t.pool: t.pages for t in transfers}
+    pages = {t.pool: list(t.pages) for t in transfers}
+    codes = {t.pool: pool_code(t.pool) for t in transfers}
 
     def read(runs: Sequence[tuple[int, int, Sequence[tuple[str, int]]]], threads: int) -> list[int | OSError | None]:
-        todo = [(fd, offset, [pages[p][i] for p, i in run], bytes(pool_code(p) for p, _i in run))
-                for fd, offset, run in runs]
+        # the same compiled marking as the store's (its marks thrown away), so that both variants
+        # do the same work per page and differ only in the check
+        marks = {pool: [None] * len(p) for pool, p in pages.items()}
+        todo = _native.mark_runs(runs, pages, marks, True, codes)
         got = _native.read_runs(todo, namespace_bytes, _RECORD_CHUNK, max(1, threads), deadline, False)
         return [r[0] if isinstance(r, tuple) else r for r in got]
 
     return read
+
+
+class _Unverified(_EarlyVerifier):
+    """The store's verifier with the check left out (the ``unverified`` variant): it marks and
+    reads the runs a backend hands it exactly as the real one does, on the same threads, without
+    hashing; ``finished`` and what is left after the call are not checked."""
+
+    check = False
+
+    def finished(self, pool: str, indices: Iterable[int]) -> None:
+        return None
+
+    def read_records(self, fd: int, offset: int, pages: Sequence[tuple[str, int]]) -> int:
+        got = self.read_runs([(fd, offset, pages)], 1)[0]
+        if isinstance(got, OSError):
+            raise got
+        if got is None:
+            raise TimeoutError("read_records after the call's deadline")
+        return got
+
+    def settle(self, out: dict[str, list[PageResult]]) -> None:
+        with self.lock:
+            self.open = False
 
 
 def _unchecked_reader(transfers: Sequence[PageTransfer]) -> Callable[[int, int, Sequence[tuple[str, int]]], int]:
@@ -190,13 +231,22 @@ def measure(
         res = store.page_set([PageTransfer(PoolKind.KV, _pages(src, groups, namespace, page_bytes))])
         if any(r is not PageResult.OK for r in res[PoolKind.KV]):
             raise RuntimeError(f"backend {backend!r} did not store the benchmark pages: {res[PoolKind.KV][:4]}...")
-        timed: dict[str, list[float]] = {"store": [], "bare": [], "hash": []}
+        timed: dict[str, list[float]] = {"store": [], "bare": [], "hash": [], "unverified": []}
         for _ in range(rounds):
             t0 = time.perf_counter()
             got, _ = store.page_get([PageTransfer(PoolKind.KV, _pages(dst, groups, namespace, page_bytes))])
             timed["store"].append(time.perf_counter() - t0)
             if any(r is not PageResult.OK for r in got[PoolKind.KV]):
                 raise RuntimeError("a verified read failed; the benchmark needs a healthy store")
+            store._verifier = _Unverified
+            try:
+                t0 = time.perf_counter()
+                got, _ = store.page_get([PageTransfer(PoolKind.KV, _pages(dst, groups, namespace, page_bytes))])
+                timed["unverified"].append(time.perf_counter() - t0)
+            finally:
+                del store._verifier
+            if any(r is not PageResult.OK for r in got[PoolKind.KV]):
+                raise RuntimeError("an unverified read failed; the benchmark needs a healthy store")
             t0 = time.perf_counter()
             bare = [PageTransfer(PoolKind.KV, _pages(dst, groups, namespace, page_bytes))]
             transfers = store.attach_headers(bare, made=False)
@@ -227,7 +277,7 @@ def measure(
         run_pages = min(pages, max(1, -(-_RUN_FLOOR_BYTES // page_bytes), -(-pages // _VERIFY_WORKERS)))
         run_read, run_checked = _run_floor(src, groups[:run_pages], namespace, page_bytes, rounds)
         return VerificationCost(page_bytes, pages, *(statistics.median(timed[k]) for k in ("store", "bare", "hash")),
-                                threads=_VERIFY_WORKERS, run_pages=run_pages, run_read_s=run_read,
-                                run_checked_s=run_checked)
+                                unverified_s=statistics.median(timed["unverified"]), threads=_VERIFY_WORKERS,
+                                run_pages=run_pages, run_read_s=run_read, run_checked_s=run_checked)
     finally:
         store.close()

@@ -317,8 +317,8 @@ class _Plugin:
     def _bare_round(self, groups: list[str], out: Times) -> list[str]:
         """The backend's hooks alone, as the Store hands them pages (headers made, timed apart)."""
         ns = secrets.token_hex(12)  # fresh keys: the Store run's pages exist already
-        t, w = _timed(lambda: self.store.attach_headers(
-            [PageTransfer(PoolKind.KV, self.pages(self.src, groups, ns), True)], made=True))
+        src = [PageTransfer(PoolKind.KV, self.pages(self.src, groups, ns), True)]  # made untimed, as round's
+        t, w = _timed(lambda: self.store.attach_headers(src, made=True))
         out["header"].append(t)
         r = self.store.attach_headers([PageTransfer(PoolKind.KV, self.pages(self.dst, groups, ns), True)], made=False)
         deadline = time.monotonic() + self.store.timeout_s

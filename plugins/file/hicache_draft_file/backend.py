@@ -131,6 +131,9 @@ _SHARE_MIN_VERIFIED = 2 << 20  # H200 host, 64 KiB pages: 1.74-1.91x the baselin
 # this thread right away, while the run (at most _RUN_MAX_BYTES) is still in this core's cache.
 _FINISH_BYTES = 1
 _INTENT_MAGIC = "hicache-draft-file evict 1"
+# a group's pools are written by calls that follow one another: a half group younger than this
+# is evicted after every other candidate (deferred, never protected: it still goes when needed)
+_PAIR_WINDOW_S = 10.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _TMP_RE = re.compile(r"([0-9a-f]{16}-[0-9a-f]{8})\.(\d+)\.tmp|(intent)\.(\d+)\.[0-9a-f]+")
 _NBYTES = operator.attrgetter("nbytes")
@@ -998,7 +1001,11 @@ class FileBackend(StorageBackend):
         with self._lock:
             for name in gone:
                 self._drop(name)
-            aged.sort(key=lambda a: (a[0], a[1].name))
+            # least recently used first, but a young half group (one pool's pages whose other
+            # pools' call is on its way: SGLang writes the draft and target pages of a prefix in
+            # separate calls) goes last, so that the later call does not find its group split
+            young = time.time() - _PAIR_WINDOW_S
+            aged.sort(key=lambda a: (a[0] > young and self.catalog.half_groups(a[1]), a[0], a[1].name))
             victims: set[str] = set()
             freed = 0
             for _mtime, seg in aged:
@@ -1017,6 +1024,9 @@ class FileBackend(StorageBackend):
     def _evict(self, names: set[str], quarantine: str | None) -> None:
         with self._root_lock(exclusive=True):
             self._finish_intent()
+            # caught up first (no one publishes now): a segment another process added since our
+            # last look that shares a group with ``names`` goes with them, or the group is split
+            self._poll()
             with self._lock:
                 victims = self.catalog.closure(names)
             self._remove(victims, quarantine)

@@ -159,6 +159,15 @@ class Catalog:
                     todo.extend(n for n in have if n not in out)
         return out
 
+    def half_groups(self, seg: Segment) -> bool:
+        """``seg`` holds pages of one pool only, its groups are stored nowhere else, and another
+        pool has pages stored: its groups wait for their other pools' pages (a draft call whose
+        target call has not come yet)."""
+        if len(set(seg.index.pools)) != 1 or sum(1 for m in self.keys.values() if m) < 2:
+            return False
+        groups = self._groups
+        return all(groups.get(g) == seg.name for g in set(seg.index.groups))
+
     def group_segments(self, group: str) -> set[str]:
         have = self._groups.get(group)
         if have is None:

@@ -105,3 +105,35 @@ def test_two_processes_stay_under_one_capacity(tmp_path: Path, open_store, kit) 
     flags = _present(store, kit, groups)
     assert all(kv == dr for kv, dr in flags)
     assert sum(kv for kv, _ in flags) * 2 == use["pages"]
+
+
+def test_a_group_whose_other_call_is_on_its_way_is_evicted_last(open_store, kit) -> None:
+    """SGLang writes a prefix's draft pages and its target pages in separate calls. When the
+    store fills between them (other writers), the draft pages alone are a young half group: LRU
+    takes the older whole groups first, so the target call does not find its group split."""
+    store = open_store(max_bytes=4 * SEG)
+    pending = [kit.group(i, 98) for i in range(8)]
+    ts = kit.both(pending, PAGE)
+    assert store.page_set([ts[1]]) == {PoolKind.DRAFT: [PageResult.OK] * 8}  # the draft call: the oldest segment
+    older = []
+    for call in range(4):  # whole groups from other writers fill the store past its capacity
+        groups = [kit.group(i, call) for i in range(8)]
+        store.page_set(kit.both(groups, PAGE))
+        older += groups
+        assert store.backend.usage()["bytes"] <= 4 * SEG
+    assert store.page_set([ts[0]]) == {PoolKind.KV: [PageResult.OK] * 8}  # the target call
+    assert _present(store, kit, pending) == [(True, True)] * 8
+    flags = _present(store, kit, older)
+    assert all(kv == dr for kv, dr in flags) and not all(kv for kv, _ in flags), "nothing older was evicted"
+
+
+def test_half_groups_still_go_when_nothing_else_can(open_store, kit) -> None:
+    """Deferred, not protected: a store of nothing but young half groups keeps within capacity."""
+    cap = 4 * SEG
+    store = open_store(max_bytes=cap)
+    for call in range(12):
+        pool = PoolKind.KV if call % 2 else PoolKind.DRAFT
+        ts = kit.both([kit.group(i, 200 + call) for i in range(8)], PAGE)
+        store.page_set([t for t in ts if t.pool is pool])
+        assert store.backend.usage()["bytes"] <= cap
+    assert store.backend.usage()["segments_evicted"] > 0

@@ -110,3 +110,37 @@ def test_corrupt_segment_found_at_restart_is_quarantined(open_store, kit, tmp_pa
     assert use["segments_quarantined"] == 2 and use["foreign_files"] == 1
     assert not path.exists() and not garbage.exists() and not stray.exists()
     assert len(list((tmp_path / "store" / "quarantine").iterdir())) == 3
+
+
+_WRITE_TARGET = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from conftest import pages
+from hicache_draft import PageResult, PageTransfer, PoolKind, Store
+store = Store.open("file", {"root": sys.argv[1]})
+res = store.page_set([PageTransfer(PoolKind.KV, pages(PoolKind.KV, sys.argv[3:], 4096))])
+store.close()
+sys.exit(0 if res[PoolKind.KV] == [PageResult.OK] * len(sys.argv[3:]) else 3)
+"""
+
+
+def test_a_quarantine_takes_the_group_pages_another_process_wrote_since(open_store, kit, tmp_path: Path) -> None:
+    """A rejected draft page quarantines its segment with every segment sharing a group with it,
+    including the target segment of those groups that another process wrote after this one last
+    looked: the closure is taken on a caught-up catalog, so no group is split on disk."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "store"
+    store = open_store(root)
+    groups = [kit.group(i, 7) for i in range(2)]
+    assert store.page_set([kit.both(groups, PAGE)[1]]) == {PoolKind.DRAFT: [PageResult.OK] * 2}  # draft only
+    subprocess.run([sys.executable, "-c", _WRITE_TARGET, str(root), str(Path(__file__).parent), *groups],
+                   check=True, timeout=60)
+    # the core found a draft page bad; this store has not looked at the root since the other wrote
+    store.backend.page_rejected({PoolKind.DRAFT: [f"{groups[0]}.{kit.NS[PoolKind.DRAFT]}"]})
+    fresh = open_store(root)
+    for pool in (PoolKind.KV, PoolKind.DRAFT):
+        for g in groups:
+            assert fresh.page_exists({pool: [f"{g}.{kit.NS[pool]}"]}) == {pool: 0}, f"{pool.value} of {g} kept"
+    assert fresh.backend.usage()["segments_quarantined"] == 0 and store.backend.usage()["segments_quarantined"] == 1

@@ -104,8 +104,8 @@ def test_two_processes_six_threads_kills_and_compaction(tmp_path: Path, open_sto
         assert not hidden, f"{len(hidden)} {pool.value} pages: live and fresh views differ (hidden or stale)"
     kv = [fresh.page_exists({PoolKind.KV: [f"{g}.{kit.NS[PoolKind.KV]}"]})[PoolKind.KV] for g in acked]
     dr = [fresh.page_exists({PoolKind.DRAFT: [f"{g}.{kit.NS[PoolKind.DRAFT]}"]})[PoolKind.DRAFT] for g in acked]
-    split = [g for g, a, b in zip(acked, kv, dr, strict=True) if a != b]
-    assert not split, f"{len(split)} acknowledged groups split between target and draft"
+    split = [f"{g} ({'target' if a else 'draft'} kept)" for g, a, b in zip(acked, kv, dr, strict=True) if a != b]
+    assert not split, f"{len(split)} acknowledged groups split between target and draft: {split}"
     present = [g for g, a in zip(acked, kv, strict=True) if a]
     got = kit.read_back(fresh, present, PAGE)
     assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])

@@ -111,6 +111,7 @@ from hicache_draft_file.root_setup import prepare_root
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry, ident, pid_alive
 from hicache_draft_file.segment_format import SegmentError, read_index, storable_pool
 from hicache_draft_file.segment_writer import claim_file, write_segment
+from hicache_draft_file.vectored_io import memory_filesystem
 
 log = logging.getLogger("hicache_draft_file")
 
@@ -228,6 +229,9 @@ class FileBackend(StorageBackend):
         self.opts = options
         self.dirs: RootDirs = prepare_root(options.root, create=options.create_root, read_only=options.read_only)
         self.layout: RootLayout = self.dirs.layout
+        # segments are written in tmp/: preallocated, except in memory (tmpfs: it only zeroes pages)
+        self.memory_fs = memory_filesystem(self.dirs.tmp) if self.dirs.writable else None
+        self._prealloc = self.memory_fs is None
         self.root = self.layout.root
         self._seg_dir = self.layout.seg  # made once: a restart builds one Segment per file
         self.writable = not options.read_only
@@ -654,7 +658,8 @@ class FileBackend(StorageBackend):
             def core(fd: int, chunk: int) -> int:
                 return write_records(fd, 0, refs, chunk)
 
-        ws = write_segment(self.dirs, name, items, self.opts.fsync, deadline=deadline, records=core)
+        ws = write_segment(self.dirs, name, items, self.opts.fsync, deadline=deadline, records=core,
+                           prealloc=self._prealloc)
 
         fname = name + SEGMENT_SUFFIX
         try:

@@ -79,6 +79,7 @@ def write_segment(
     chunk: int = WRITE_CHUNK,
     deadline: float = float("inf"),
     records: Callable[[int, int], int] | None = None,
+    prealloc: bool = True,
 ) -> WrittenSegment:
     """Write ``items`` as segment ``name`` into ``tmp/``. On any error the file is removed and
     the error raised (nothing published, nothing already stored touched).
@@ -95,6 +96,7 @@ def write_segment(
     :class:`TimeoutError` and the page buffers are not read any more. ``records(fd, chunk)``: the
     core's ``write_records`` for these pages (their headers zeroed, made by it as it writes them
     from offset 0; it returns the bytes written), used instead of writing the records here.
+    ``prealloc=False`` (an in-memory filesystem) skips the preallocation.
     """
     tmp, fd, old_size, recycled = claim_file(dirs, name)
     try:
@@ -102,7 +104,7 @@ def write_segment(
         footer = build_footer(index)
         end = index.data_end + len(footer)
         index.size = end
-        if old_size < end:
+        if prealloc and old_size < end:
             preallocate(fd, end)
         if records is not None:
             wrote = records(fd, chunk)

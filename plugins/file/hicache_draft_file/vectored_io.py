@@ -50,3 +50,36 @@ def preallocate(fd: int, size: int) -> bool:
     if _FALLOCATE is None or size <= 0:
         return False
     return _FALLOCATE(fd, 0, 0, size) == 0
+
+
+# filesystems that keep files in memory: there fallocate allocates and zeroes every page, which
+# the write that follows overwrites, and there is no block layout to gain. Same-process A/B on the
+# H200 host (new files, alternating): /dev/shm page_set 1.01-1.05x faster without it for 128 x 64
+# KiB, 1.05-1.11x for 16 x 8 MiB; ext4 0.93x without it at 64 KiB (kept there), 0.95-1.02x at 8 MiB
+_MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def _load_fstatfs() -> Callable[[int, ctypes.Array[ctypes.c_char]], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fstatfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_FSTATFS = _load_fstatfs()
+
+
+def memory_filesystem(fd: int) -> str | None:
+    """The name of the in-memory filesystem ``fd`` lives on (``tmpfs``, ``ramfs``), or ``None``
+    (another filesystem, or one that cannot be told): where preallocating only costs."""
+    if _FSTATFS is None:
+        return None
+    buf = ctypes.create_string_buffer(512)  # struct statfs: f_type, a long, comes first
+    if _FSTATFS(fd, buf) != 0:
+        return None
+    return _MEMORY_FS.get(int.from_bytes(buf.raw[: ctypes.sizeof(ctypes.c_long)], sys.byteorder))

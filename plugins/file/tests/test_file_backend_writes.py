@@ -229,3 +229,28 @@ def test_a_store_has_the_core_write_every_record(tmp_path: Path, monkeypatch: py
                                                              for _pool, p in items]
     finally:
         store.close()
+
+
+def test_segments_in_memory_are_not_preallocated(open_store, kit, tmp_path: Path, monkeypatch) -> None:
+    """On tmpfs (``/dev/shm``) fallocate only allocates and zeroes pages that the write then
+    overwrites (page_set 1.05-1.11x faster without it for 8 MiB pages on the H200 host): the backend
+    tells the filesystem of its root and preallocates only on disk filesystems; both store the
+    same bytes."""
+    import tempfile
+
+    calls: list[int] = []
+    real = segment_writer.preallocate
+    monkeypatch.setattr(segment_writer, "preallocate", lambda fd, size: calls.append(size) or real(fd, size))
+    groups = [kit.group(i, 5) for i in range(4)]
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        in_memory = open_store(Path(shm) / "store")
+        assert in_memory.backend.memory_fs == "tmpfs"
+        assert in_memory.page_set(kit.both(groups, 4096)) == {p: [PageResult.OK] * 4 for p in (PoolKind.KV,
+                                                                                              PoolKind.DRAFT)}
+        assert calls == []
+        got = kit.read_back(in_memory, groups, 4096)
+        assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+        in_memory.close()
+    on_disk = open_store(tmp_path / "disk")  # preallocated exactly when not in memory
+    on_disk.page_set(kit.both(groups, 4096))
+    assert len(calls) == (on_disk.backend.memory_fs is None)

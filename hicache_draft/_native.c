@@ -1234,6 +1234,59 @@ fail:
     return NULL;
 }
 
+/* make_pages(keys, groups, namespaces, buffers, page_type, page_fields) -> list: a new page_type
+   instance per page, its fields (key, group, namespace, buffers, header) set to keys[i],
+   groups[i], namespaces (one str for every page, or namespaces[i]), buffers[i] and None, without
+   running the type's __init__ (a frozen dataclass's sets each field through object.__setattr__:
+   about 1 us a page). The sequences must have one length. */
+static PyObject *make_pages(PyObject *self, PyObject *args) {
+    PyObject *keys_in, *groups_in, *ns_in, *bufs_in, *page_type, *page_fields;
+    if (!PyArg_ParseTuple(args, "OOOOOO:make_pages", &keys_in, &groups_in, &ns_in, &bufs_in, &page_type,
+                          &page_fields))
+        return NULL;
+    if (!PyType_Check(page_type)) {
+        PyErr_SetString(PyExc_TypeError, "page_type must be a type");
+        return NULL;
+    }
+    field_ref pf[5];
+    if (fields_load(page_fields, pf, 5) < 0) return NULL;
+    PyObject *keys = PySequence_Tuple(keys_in), *groups = NULL, *nss = NULL, *bufs = NULL, *out = NULL;
+    if (keys == NULL) return NULL;
+    int one_ns = PyUnicode_Check(ns_in);
+    groups = PySequence_Tuple(groups_in);
+    nss = one_ns ? (Py_INCREF(ns_in), ns_in) : PySequence_Tuple(ns_in);
+    bufs = groups && nss ? PySequence_Tuple(bufs_in) : NULL;
+    if (bufs == NULL) goto fail;
+    Py_ssize_t n = PyTuple_Size(keys);
+    if (PyTuple_Size(groups) != n || PyTuple_Size(bufs) != n || (!one_ns && PyTuple_Size(nss) != n)) {
+        PyErr_SetString(PyExc_ValueError, "make_pages: keys, groups, buffers (and namespaces) differ in length");
+        goto fail;
+    }
+    out = PyList_New(n);
+    if (out == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *page = new_of(page_type);
+        if (page == NULL) goto fail;
+        PyList_SetItem(out, i, page); /* steals: owned by the list from here */
+        PyObject *vals[5] = {PyTuple_GetItem(keys, i), PyTuple_GetItem(groups, i),
+                             one_ns ? nss : PyTuple_GetItem(nss, i), PyTuple_GetItem(bufs, i), Py_None};
+        for (int f = 0; f < 5; f++)
+            if (pf[f].set(pf[f].desc, page, vals[f]) < 0) goto fail;
+    }
+    Py_DECREF(keys);
+    Py_DECREF(groups);
+    Py_DECREF(nss);
+    Py_DECREF(bufs);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(keys);
+    Py_XDECREF(groups);
+    Py_XDECREF(nss);
+    Py_XDECREF(bufs);
+    return NULL;
+}
+
 /* ---- module ------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -1260,6 +1313,9 @@ static PyMethodDef methods[] = {
      "mismatches; tests)."},
     {"read_into", read_into, METH_VARARGS,
      "read_into(fd, offset, buffers) -> bytes read (fewer only at end of file)."},
+    {"make_pages", make_pages, METH_VARARGS,
+     "make_pages(keys, groups, namespaces, buffers, page_type, page_fields) -> new pages (header None), without "
+     "__init__; namespaces: one str for every page or one per page."},
     {"with_headers", with_headers, METH_VARARGS,
      "with_headers(pages, base, owner, page_type, page_fields, buffer_type, buffer_fields) -> new pages, "
      "each with a HEADER_SIZE-byte header buffer at base + HEADER_SIZE * i."},

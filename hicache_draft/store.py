@@ -24,7 +24,6 @@ bytes that no longer match the header made while the call was on, so every later
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import operator
@@ -53,7 +52,15 @@ from hicache_draft.page_format import (
     pool_code,
 )
 from hicache_draft.plugins import get_backend, new_plugin_manager
-from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
+from hicache_draft.transfer import (
+    _BUFFER_FIELDS,
+    _PAGE_FIELDS,
+    Buffer,
+    Page,
+    PageResult,
+    PageTransfer,
+    PoolRegistration,
+)
 
 log = logging.getLogger("hicache_draft.store")
 
@@ -469,10 +476,6 @@ def attach_headers(transfers: Sequence[PageTransfer], made: bool, parallel: bool
     return out
 
 
-# The fields of Page (the header last) and Buffer, as with_headers sets them on new instances.
-_PAGE_FIELDS = tuple(vars(Page)[f.name] for f in dataclasses.fields(Page))
-_BUFFER_FIELDS = tuple(vars(Buffer)[f.name] for f in dataclasses.fields(Buffer))
-assert [f.name for f in dataclasses.fields(Page)][-1] == "header" and len(_BUFFER_FIELDS) == 3
 
 
 class _RecordWriter:

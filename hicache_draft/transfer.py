@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
 from hicache_draft.capabilities import Attention, Component, Layout, PoolKind
@@ -79,6 +79,14 @@ class Page:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
+
+
+# The fields of Page (key, group, namespace, buffers, header) and Buffer (ptr, nbytes, owner), as
+# the compiled builders (_native.make_pages, with_headers) set them on new instances.
+_PAGE_FIELDS = tuple(vars(Page)[f.name] for f in fields(Page))
+_BUFFER_FIELDS = tuple(vars(Buffer)[f.name] for f in fields(Buffer))
+assert [f.name for f in fields(Page)] == ["key", "group", "namespace", "buffers", "header"]
+assert [f.name for f in fields(Buffer)] == ["ptr", "nbytes", "owner"]
 
 
 @dataclass(frozen=True, slots=True)

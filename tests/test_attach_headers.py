@@ -151,3 +151,41 @@ def test_a_check_shared_by_threads_finds_exactly_what_one_thread_finds(sizes, th
     many = store_mod._problems(todo, threads)
     assert [(pool, i) for pool, i, _p, _e in many] == [(pool, i) for pool, i, _p, _e in one]
     assert {i for _pool, i, _p, _e in one} == {i for i, b in enumerate(keep) if bytes(b) != stored[i]}
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 40), nbuf=st.integers(0, 3), per_page_ns=st.booleans())
+def test_compiled_pages_are_the_pages_init_makes(n, nbuf, per_page_ns) -> None:
+    """``_native.make_pages`` (how a pool binding builds every batch: controller, SGLang adapter,
+    kit) gives exactly the ``Page`` that ``Page(key, group, namespace, buffers)`` gives, frozen,
+    hashable and equal, its header None; one namespace for all pages or one per page."""
+    from hicache_draft import _native
+    from hicache_draft.transfer import _PAGE_FIELDS
+
+    region = bytearray(4096)
+    ref = _pages(n, nbuf, region)
+    nss = [f"{i:024x}" for i in range(n)] if per_page_ns else NS
+    want = [dataclasses.replace(p, namespace=nss[i]) for i, p in enumerate(ref)] if per_page_ns else ref
+    got = _native.make_pages([p.key for p in ref], (p.group for p in ref), nss, [p.buffers for p in ref], Page,
+                             _PAGE_FIELDS)
+    assert type(got) is list and len(got) == n
+    for p, q in zip(want, got, strict=True):
+        assert type(q) is Page and q == p and hash(q) == hash(p) and q.header is None and repr(q) == repr(p)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            q.group = "x"  # type: ignore[misc]
+
+
+def test_compiled_pages_refuse_sequences_of_different_lengths() -> None:
+    from hicache_draft import _native
+    from hicache_draft.transfer import _PAGE_FIELDS
+
+    bufs = [(Buffer(0, 0),)] * 2
+    for args in ((["a.b"], ["a", "b"], NS, bufs), (["a.b", "c.d"], ["a", "c"], [NS], bufs),
+                 (["a.b", "c.d"], ["a", "c"], NS, bufs[:1])):
+        with pytest.raises(ValueError, match="differ in length"):
+            _native.make_pages(*args, Page, _PAGE_FIELDS)
+    before = sys.getrefcount(NS)
+    for _ in range(100):
+        _native.make_pages(["a.b", "c.d"], ["a", "c"], NS, bufs, Page, _PAGE_FIELDS)
+    gc.collect()
+    assert sys.getrefcount(NS) <= before + 1  # no reference leaked per page

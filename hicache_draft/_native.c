@@ -406,13 +406,19 @@ typedef struct {
     _Atomic int late;   /* a page was not made: the deadline passed or stop was set */
 } headers_ctx;
 
+/* Whether a team's work must stop before its next page (the deadline passed, `stop` was set, or
+ * another page already stopped): then `late` is set. */
+static int halted(_Atomic int *late, const volatile unsigned char *stop, double deadline) {
+    if (atomic_load(late) || (stop != NULL && stop[0]) || (isfinite(deadline) && monotonic_now() > deadline)) {
+        atomic_store(late, 1);
+        return 1;
+    }
+    return 0;
+}
+
 static void pack_one(void *ctx, ptrdiff_t i) {
     headers_ctx *c = ctx;
-    if (atomic_load(&c->late) || (c->stop != NULL && c->stop[0]) ||
-        (isfinite(c->deadline) && monotonic_now() > c->deadline)) {
-        atomic_store(&c->late, 1);
-        return;
-    }
+    if (halted(&c->late, c->stop, c->deadline)) return;
     page_job *j = &c->b->jobs[i];
     make_one(j, c->b->payload.iov, c->out != NULL ? c->out + i * HEADER_SIZE : j->header);
 }
@@ -467,6 +473,114 @@ static PyObject *pack_headers(PyObject *self, PyObject *args) {
 done:
     batch_free(&b);
     if (!own) PyBuffer_Release(&ov);
+    if (stop != Py_None) PyBuffer_Release(&sv);
+    return res;
+}
+
+/* ---- records packed into memory, their headers made from the copy ---------------------------- */
+
+/* Pieces a large page is copied and hashed in: each is hashed right after it is copied, while it
+ * is still in this core's cache, so the page's memory is read once. */
+#define PACK_PIECE_BYTES (64u << 10)
+
+typedef struct {
+    batch *b;
+    spans *dst;   /* one writable span per page: its record (header, then payload) goes there */
+    double deadline;
+    const volatile unsigned char *stop;
+    _Atomic int late;
+} records_ctx;
+
+static void record_one(void *ctx, ptrdiff_t i) {
+    records_ctx *c = ctx;
+    if (halted(&c->late, c->stop, c->deadline)) return;
+    page_job *j = &c->b->jobs[i];
+    const struct iovec *iov = c->b->payload.iov + j->first;
+    unsigned char *rec = c->dst->iov[i].iov_base, *at = rec + HEADER_SIZE;
+    uint64_t len = 0;
+    for (Py_ssize_t k = 0; k < j->count; k++) len += iov[k].iov_len;
+    uint64_t sum;
+    if (len <= PACK_PIECE_BYTES) { /* copied whole, then hashed from the copy */
+        for (Py_ssize_t k = 0; k < j->count; k++) {
+            memcpy(at, iov[k].iov_base, iov[k].iov_len);
+            at += iov[k].iov_len;
+        }
+        struct iovec whole = {rec + HEADER_SIZE, (size_t)len};
+        sum = hash->spans(&whole, 1);
+    } else {
+        XXH3_state_t st;
+        hash->reset(&st);
+        for (Py_ssize_t k = 0; k < j->count; k++) {
+            const unsigned char *p = iov[k].iov_base;
+            size_t left = iov[k].iov_len;
+            while (left > 0) {
+                size_t take = left < PACK_PIECE_BYTES ? left : PACK_PIECE_BYTES;
+                memcpy(at, p, take);
+                hash->update(&st, at, take);
+                at += take;
+                p += take;
+                left -= take;
+            }
+        }
+        sum = hash->digest(&st);
+    }
+    make_header_of(j, len, sum, j->header);
+    memcpy(rec, j->header, HEADER_SIZE);
+}
+
+/* pack_records(items, dsts, codes, namespace_bytes, threads=1, deadline=inf, stop=None)
+ *
+ * Each page's record (its 64-byte header, then its payload) written into dsts[i], a writable
+ * buffer of at least 64 + the page's bytes: the payload is copied there and the header made from
+ * the copy (one pass over the page's memory), and put into the page's own `header` too. Past
+ * `deadline`, or once the first byte of `stop` is nonzero, no further page is read or written:
+ * TimeoutError. */
+static PyObject *pack_records(PyObject *self, PyObject *args) {
+    PyObject *items, *dsts, *codes, *fallback, *stop = Py_None;
+    int threads = 1;
+    double deadline = INFINITY;
+    if (!PyArg_ParseTuple(args, "OOOO|idO:pack_records", &items, &dsts, &codes, &fallback, &threads, &deadline,
+                          &stop))
+        return NULL;
+    Py_buffer sv = {0};
+    if (stop != Py_None && PyObject_GetBuffer(stop, &sv, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *res = NULL;
+    batch b;
+    spans d;
+    memset(&b, 0, sizeof(b));
+    memset(&d, 0, sizeof(d));
+    if (stop != Py_None && sv.len < 1) {
+        PyErr_SetString(PyExc_ValueError, "stop must hold at least one byte");
+        goto done;
+    }
+    if (batch_load(&b, items, codes, fallback, 2) < 0 || spans_add_all(&d, dsts, 1) < 0) goto done;
+    if (d.n != b.n) {
+        PyErr_Format(PyExc_ValueError, "pack_records: %zd pages but %zd destinations", b.n, d.n);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < b.n; i++) {
+        uint64_t len = HEADER_SIZE;
+        for (Py_ssize_t k = b.jobs[i].first; k < b.jobs[i].first + b.jobs[i].count; k++)
+            len += b.payload.iov[k].iov_len;
+        if ((uint64_t)d.iov[i].iov_len < len) {
+            PyErr_Format(PyExc_ValueError, "pack_records: destination %zd holds %zu bytes, its record needs %llu", i,
+                         d.iov[i].iov_len, (unsigned long long)len);
+            goto done;
+        }
+    }
+    records_ctx c = {&b, &d, deadline, stop != Py_None ? sv.buf : NULL, 0};
+    Py_BEGIN_ALLOW_THREADS
+    hcd_team_run(record_one, &c, b.n, threads);
+    Py_END_ALLOW_THREADS
+    if (atomic_load(&c.late)) {
+        raise_late("records past the deadline or after stop");
+        goto done;
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    spans_free(&d);
+    batch_free(&b);
     if (stop != Py_None) PyBuffer_Release(&sv);
     return res;
 }
@@ -1313,6 +1427,9 @@ static PyMethodDef methods[] = {
      "mismatches; tests)."},
     {"read_into", read_into, METH_VARARGS,
      "read_into(fd, offset, buffers) -> bytes read (fewer only at end of file)."},
+    {"pack_records", pack_records, METH_VARARGS,
+     "pack_records(items, dsts, codes, namespace_bytes, threads=1, deadline=inf, stop=None): each page's record "
+     "(header, payload) into dsts[i], the header made from the copy and put into the page's header too."},
     {"make_pages", make_pages, METH_VARARGS,
      "make_pages(keys, groups, namespaces, buffers, page_type, page_fields) -> new pages (header None), without "
      "__init__; namespaces: one str for every page or one per page."},

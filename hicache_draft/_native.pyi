@@ -9,6 +9,10 @@ def pack_headers(
     out: object | None, items: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes],
     threads: int = 1, deadline: float = ..., stop: object | None = None,
 ) -> None: ...
+def pack_records(
+    items: Sequence[object], dsts: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes],
+    threads: int = 1, deadline: float = ..., stop: object | None = None,
+) -> None: ...
 def mismatches(
     pages: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes], threads: int = 1
 ) -> list[int]: ...

@@ -56,7 +56,7 @@ def page_set(
     transfers: Sequence[PageTransfer],
     deadline: float,
     write_records: Callable[[int, int, Sequence[tuple[str, int]], int], int],
-    make_headers: Callable[[str, Sequence[int]], None],
+    make_headers: Callable[..., None],
 ) -> Mapping[str, Sequence[PageResult]]:
     """Store pages. ``transfers`` holds one :class:`PageTransfer` per pool (target and draft of
     one backup come in one call). Read each page's bytes from its buffers.
@@ -78,8 +78,13 @@ def page_set(
     ``Capabilities.headers_on_demand``, and then the pages' headers are zeroed): the core makes the
     headers of those pages of ``pool``'s transfer from their bytes into ``page.header``, without the
     GIL; call it for each piece of the batch just before you send that piece, so that the core hashes
-    one piece while the one before moves. It raises ``ValueError`` for a page not in the call and
-    ``RuntimeError`` once the call has returned or was abandoned (then nothing is made).
+    one piece while the one before moves. ``make_headers(pool, indices, into)``, ``into`` one writable
+    buffer per index (in the same order, each at least 64 bytes plus the page's bytes), also writes
+    each page's record there (its header, then its payload), the header made from the copy as it is
+    copied: for a backend that copies pages into its own staging memory anyway, one pass over the
+    page's memory instead of two. It raises ``ValueError`` for a page not in the call (or given
+    twice with ``into``, or a destination too small) and ``RuntimeError`` once the call has returned
+    or was abandoned (then nothing is made or written).
     """
 
 

@@ -531,21 +531,36 @@ class _HeaderMaker:
         self.busy = 0
         self.stop = bytearray(1)  # read by the compiled code before each page: 1 once the call ended
 
-    def make_headers(self, pool: str, indices: Sequence[int]) -> None:
-        """Make the headers of ``indices`` of ``pool``'s transfer (see the ``page_set`` hookspec)."""
+    def make_headers(self, pool: str, indices: Sequence[int], into: Sequence[object] | None = None) -> None:
+        """Make the headers of ``indices`` of ``pool``'s transfer (see the ``page_set`` hookspec);
+        with ``into`` (one writable buffer per index, in order), also write each page's record
+        there, its header made from the copy."""
         pages = self.pages.get(pool)
         idx = list(indices)
         if pages is None or not all(i.__class__ is int and 0 <= i < len(pages) for i in idx):
             bad = next((i for i in idx if pages is None or not (i.__class__ is int and 0 <= i < len(pages))), None)
             raise ValueError(f"make_headers: no page {bad!r} of pool {pool!r} in this call")
-        todo = [pages[i] for i in sorted(set(idx))]
+        if into is None:
+            todo = [pages[i] for i in sorted(set(idx))]
+        else:
+            into = list(into)
+            if len(into) != len(idx):
+                raise ValueError(f"make_headers: {len(idx)} pages of pool {pool!r} but {len(into)} destinations")
+            if len(set(idx)) != len(idx):
+                raise ValueError(f"make_headers: a page of pool {pool!r} is given twice with destinations")
+            todo = [pages[i] for i in idx]
         with self.cond:
             if not self.open or time.monotonic() >= self.deadline:
                 raise RuntimeError("make_headers after the page_set call ended or was abandoned")
             self.busy += 1
         try:
-            _native.pack_headers(None, todo, pool_code(pool), namespace_bytes,
-                                 _threads_for(sum(p.nbytes for p in todo)), self.deadline, self.stop)
+            threads = _threads_for(sum(p.nbytes for p in todo))
+            if into is None:
+                _native.pack_headers(None, todo, pool_code(pool), namespace_bytes, threads, self.deadline, self.stop)
+            else:
+                _native.pack_records(todo, into, pool_code(pool), namespace_bytes, threads, self.deadline, self.stop)
+        except BufferError as exc:
+            raise ValueError(f"make_headers: a destination of pool {pool!r} is not writable memory: {exc}") from None
         except TimeoutError:
             raise RuntimeError("make_headers after the page_set call ended or was abandoned") from None
         finally:

@@ -191,3 +191,72 @@ def test_once_the_call_ended_no_header_is_made() -> None:
     with pytest.raises(RuntimeError, match="ended or was abandoned"):
         maker.make_headers(KV, [0])
     assert not any(any(p.header.view()) for p in zeroed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 600_000), min_size=1, max_size=6), parts=st.integers(1, 3),
+       order=st.randoms(use_true_random=False), shared=st.booleans(), slack=st.integers(0, 100))
+def test_records_packed_into_destinations_are_header_and_bytes(sizes, parts, order, shared, slack) -> None:
+    """``make_headers(pool, indices, into)``: each destination gets the page's record (the header the
+    core makes before a call, then the payload of all its buffers), the page's own header is set too,
+    whatever the sizes (whole pages and ones copied piece by piece), buffers per page, order and
+    sharing; bytes past the record are left alone."""
+    keep = [[bytearray(os.urandom(n // parts + (k < n % parts))) for k in range(parts)] for n in sizes]
+    pages = [Page(f"{i:064x}.{NS}", f"{i:064x}", NS, tuple(Buffer.of(b) for b in bufs)) for i, bufs in enumerate(keep)]
+    before = attach_headers([PageTransfer(KV, pages)], made=True)[0].pages
+    zeroed = attach_headers([PageTransfer(KV, pages)], made=False)
+    maker = store_mod._HeaderMaker(zeroed, time.monotonic() + 60)
+    idx = list(range(len(pages)))
+    order.shuffle(idx)
+    dsts = {i: bytearray(b"\xa5" * (64 + sizes[i] + slack)) for i in idx}
+    chunk = store_mod._VERIFY_CHUNK_BYTES
+    store_mod._VERIFY_CHUNK_BYTES = 4096 if shared else chunk
+    try:
+        while idx:
+            n = order.randint(1, len(idx))
+            maker.make_headers(KV, idx[:n], [memoryview(dsts[i]) for i in idx[:n]])
+            idx = idx[n:]
+    finally:
+        store_mod._VERIFY_CHUNK_BYTES = chunk
+    maker.close()
+    for i, p in enumerate(before):
+        record = p.header.view().tobytes() + b"".join(bytes(b) for b in keep[i])
+        assert bytes(dsts[i]) == record + b"\xa5" * slack
+        assert zeroed[0].pages[i].header.view().tobytes() == p.header.view().tobytes()
+
+
+def test_records_refuse_bad_destinations_and_write_nothing() -> None:
+    """A destination too small, one too few, or a page given twice is refused by name before any
+    byte is written; once the call ended nothing is written either."""
+    pages, _keep = _pages([1000, 70_000])
+    zeroed = attach_headers([PageTransfer(KV, pages)], made=False)
+    maker = store_mod._HeaderMaker(zeroed, time.monotonic() + 60)
+    small = [bytearray(64 + 1000), bytearray(64 + 69_999)]
+    with pytest.raises(ValueError, match="destination 1 holds 70063 bytes, its record needs 70064"):
+        maker.make_headers(KV, [0, 1], small)
+    with pytest.raises(ValueError, match=f"2 pages of pool {KV!r} but 1 destinations"):
+        maker.make_headers(KV, [0, 1], small[:1])
+    with pytest.raises(ValueError, match="given twice"):
+        maker.make_headers(KV, [0, 0], [bytearray(2000), bytearray(2000)])
+    with pytest.raises(ValueError, match="is not writable memory"):
+        maker.make_headers(KV, [0], [bytes(2000)])
+    assert not any(any(b) for b in small) and not any(any(p.header.view()) for p in zeroed[0].pages)
+    maker.close()
+    late = [bytearray(64 + 1000)]
+    with pytest.raises(RuntimeError, match="ended or was abandoned"):
+        maker.make_headers(KV, [0], late)
+    assert not any(late[0]) and not any(any(p.header.view()) for p in zeroed[0].pages)
+
+
+def test_records_stop_at_the_stop_flag_and_the_deadline() -> None:
+    from hicache_draft import _native
+    from hicache_draft.page_format import namespace_bytes, pool_code
+
+    pages, _keep = _pages([1 << 20] * 8)
+    zeroed = attach_headers([PageTransfer(KV, pages)], made=False)[0].pages
+    dsts = [bytearray(64 + (1 << 20)) for _ in zeroed]
+    with pytest.raises(TimeoutError):
+        _native.pack_records(zeroed, dsts, pool_code(KV), namespace_bytes, 4, float("inf"), bytearray(b"\x01"))
+    with pytest.raises(TimeoutError):
+        _native.pack_records(zeroed, dsts, pool_code(KV), namespace_bytes, 4, time.monotonic() - 1, None)
+    assert not any(any(d) for d in dsts) and not any(any(p.header.view()) for p in zeroed)

@@ -7,9 +7,10 @@ length, xxh3_64 of the payload) followed by the page's raw bytes. Two ways to mo
 * **direct**: ``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers`` over a small
   registered header slot plus the page's own buffers (K and V, or every layer's buffer): zero
   copy, ``1 + buffers`` transfers per page.
-* **staged**: the header and the page are copied with ``memmove`` into one slot of a registered,
-  reused staging arena and moved with ``batch_put_from`` / ``batch_get_into``: one transfer per
-  page.
+* **staged**: the header and the page are copied into one slot of a registered, reused staging
+  arena (through a Store by the core's ``make_headers(pool, indices, into)``, which hashes each
+  page from its copy: one pass over the page's memory; else with ``memmove``) and moved with
+  ``batch_put_from`` / ``batch_get_into``: one transfer per page.
 
 The stored header is the core's (``page.header``, made before the call). On a get through the
 Store the backend copies the stored header into ``page.header`` and the core verifies every page
@@ -151,8 +152,9 @@ def _size(nbytes: int) -> str:
 
 Finished = Callable[[str, Iterable[int]], None]
 """The core's ``finished(pool, indices)`` of a ``page_get``: those pages hold their final bytes."""
-MakeHeaders = Callable[[str, Sequence[int]], None]
-"""The core's ``make_headers(pool, indices)`` of a ``page_set``: those pages' headers, made now."""
+MakeHeaders = Callable[..., None]
+"""The core's ``make_headers(pool, indices[, into])`` of a ``page_set``: those pages' headers, made now
+(with ``into``, each page's record copied into its destination as well)."""
 
 
 def _ask_headers(make_headers: MakeHeaders | None, jobs: list[_Job]) -> None:
@@ -558,11 +560,25 @@ class MooncakeBackend(StorageBackend):
                          deadline)
 
     def _prepare_staged_put(self, sess: Session, jobs: list[_Job], make_headers: MakeHeaders | None = None) -> _Sub:
-        _ask_headers(make_headers, jobs)
         sizes = [HEADER_SIZE + j.nbytes for j in jobs]
         arena = sess.mem.borrow(sum(sizes))
         sub = _Sub(jobs, sess, arena, sizes=sizes)
         mv, base, off = arena.view, arena.ptr, 0
+        if make_headers is not None:  # the core copies each record into its slot, hashing the copy
+            by_pool: dict[str, tuple[list[int], list[memoryview]]] = {}
+            for job, size in zip(jobs, sizes, strict=True):
+                idx, dst = by_pool.setdefault(job.pool, ([], []))
+                idx.append(job.index)
+                dst.append(mv[off : off + size])
+                sub.ptrs.append(base + off)
+                off += size
+            try:
+                for pool, (idx, dst) in by_pool.items():
+                    make_headers(pool, idx, dst)
+            except BaseException:  # the call has ended: nothing of these pages goes out
+                self._release(sub)
+                raise
+            return sub
         memmove = ctypes.memmove
         for job, size in zip(jobs, sizes, strict=True):
             dst = base + off + HEADER_SIZE

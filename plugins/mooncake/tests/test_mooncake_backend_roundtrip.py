@@ -350,11 +350,13 @@ def test_a_store_put_asks_the_core_for_each_sub_batchs_headers(open_store, new_g
     import hicache_draft.store as store_mod
 
     asked: list[tuple[str, list[int]]] = []
+    packed: list[bytes] = []  # staged: what the core wrote into each slot
     real = store_mod._HeaderMaker.make_headers
 
-    def spy(self, pool, indices):
+    def spy(self, pool, indices, into=None):
         asked.append((pool, list(indices)))
-        return real(self, pool, indices)
+        real(self, pool, indices, into)
+        packed.extend(bytes(d) for d in into or ())
 
     monkeypatch.setattr(store_mod._HeaderMaker, "make_headers", spy)
     store = open_store(io_mode=io_mode, pipeline_bytes=1)
@@ -367,6 +369,11 @@ def test_a_store_put_asks_the_core_for_each_sub_batchs_headers(open_store, new_g
     assert store.page_set([w.transfer(w.pages(g, list(range(6))))])[PoolKind.KV] == [OK] * 6
     assert sorted(i for _pool, idx in asked for i in idx) == list(range(6))
     assert len(asked) == (1 if io_mode == "direct" else 6)
+    # staged: the core copied every record (header made from the copy) into the staging slots
+    w_pages = w.pages(g, list(range(6)))
+    assert packed == ([] if io_mode == "direct" else
+                      [make_header(p.key, p.namespace, PoolKind.KV, [w.page_bytes(i)]) + w.page_bytes(i)
+                       for i, p in enumerate(w_pages)])
     got, _ = store.page_get([r.transfer(r.pages(g, list(range(6))))])
     assert got[PoolKind.KV] == [OK] * 6
     assert [r.page_bytes(i) for i in range(6)] == [w.page_bytes(i) for i in range(6)]

@@ -120,6 +120,9 @@ log = logging.getLogger("hicache_draft_file")
 # a run this small is still in the CPU cache when the core's xxh3 reads it.
 _RUN_MAX_BYTES = 1 << 20
 _RUN_MAX_BUFFERS = 4096  # headers and page buffers of one run (read_into splits them into IOV_MAX calls)
+# With the core's ``read_runs`` a call too small to give each worker a run of _RUN_MAX_BYTES is cut
+# into runs of its bytes over the workers, down to this, so that every worker reads and verifies.
+_RUN_MIN_BYTES = 256 << 10
 # A call's reads are shared by several threads only with at least this much per thread, and its
 # writes spread over several segment files only with at least _SPLIT_MIN bytes per file (see
 # README: smaller shares cost more in GIL hand-overs than the overlap saves).
@@ -770,9 +773,13 @@ class FileBackend(StorageBackend):
             read_records = None  # runs of at most _RUN_MAX_BYTES: small enough to share out evenly
         else:
             read_runs = None
-        if read_records is not None:  # the core reads a run in cache-sized pieces itself: about one run a thread
+        if read_records is not None or read_runs is not None:
             total = sum(HEADER_SIZE * len(items) + sum(it[1] for it in items) for items in plan.values())
-            run_max = max(_RUN_MAX_BYTES, _SHARE_MIN_VERIFIED, -(-total // self.workers))
+            per_worker = -(-total // self.workers)
+            # read_records: the core reads a run in cache-sized pieces itself, about one run a thread;
+            # read_runs: runs of at most _RUN_MAX_BYTES, smaller when the call is small (every worker takes part)
+            run_max = (max(_RUN_MAX_BYTES, _SHARE_MIN_VERIFIED, per_worker) if read_records is not None else
+                       min(_RUN_MAX_BYTES, max(_RUN_MIN_BYTES, per_worker)))
         for seg, items in plan.items():
             try:
                 h = self._acquire(seg)

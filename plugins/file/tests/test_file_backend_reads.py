@@ -150,11 +150,44 @@ def test_one_call_reads_many_runs_and_checks_each_page(open_store, monkeypatch: 
     assert results[25] is PageResult.CORRUPT
     assert all(r is PageResult.OK for j, r in enumerate(results) if j != 25)
     assert all(_bytes(p) == _content(i, n) for i, p in enumerate(out) if i != 25)
-    # through a Store every run goes to the core's read_runs in one call, each at most _RUN_MAX_BYTES
-    limit = file_backend._RUN_MAX_BYTES
+    # through a Store every run goes to the core's read_runs in one call, each at most _RUN_MAX_BYTES,
+    # or the call's bytes over the workers when that is less (at least _RUN_MIN_BYTES)
+    total = count * (n + 64)
+    limit = min(file_backend._RUN_MAX_BYTES, max(file_backend._RUN_MIN_BYTES, -(-total // store.backend.workers)))
     per_run = limit // (n + 64)  # adjacent records: runs as full as allowed
     assert per_run >= 2 and len(calls) == -(-count // per_run)
     assert max(calls) <= limit
+
+
+@pytest.mark.parametrize("threads", [1, 4, 16])
+def test_a_small_call_is_cut_so_that_every_worker_reads(open_store, monkeypatch: pytest.MonkeyPatch,
+                                                         threads: int) -> None:
+    """Through a Store a call of 2.5 MiB goes to read_runs in runs of its bytes over the workers
+    (at least _RUN_MIN_BYTES, at most _RUN_MAX_BYTES): with 16 workers 14 runs of at most 256 KiB
+    (3 records), not 3 of 1 MiB (15); every page comes back exact."""
+    runs: list[list[int]] = []
+    real = file_backend._read_by_core
+
+    def counting(rs: list, *rest: object) -> None:
+        runs.extend([sum(64 + n for _off, n, *_ in sr.items[a:b]) for sr, a, b in rs] for _ in [0])
+        return real(rs, *rest)
+
+    monkeypatch.setattr(file_backend, "_read_by_core", counting)
+    store = open_store(io_threads=threads)
+    n, count = 65536, 40
+    src = Arena(count * (n + 80))
+    pages = [src.page(i, n, split=False) for i in range(count)]
+    for i, p in enumerate(pages):
+        p.buffers[0].view()[:] = _content(i, n)
+    assert store.page_set([PageTransfer(PoolKind.KV, pages)])[PoolKind.KV] == [PageResult.OK] * count
+    dst = Arena(count * (n + 80))
+    out = [dst.page(i, n, split=False) for i in range(count)]
+    got, _ = store.page_get([PageTransfer(PoolKind.KV, out)])
+    assert got[PoolKind.KV] == [PageResult.OK] * count
+    assert all(_bytes(p) == _content(i, n) for i, p in enumerate(out))
+    per_run = {1: 15, 4: 10, 16: 3}[threads]  # 1 MiB; 2.5 MiB / 4 = 641 KiB; 256 KiB (the least)
+    tail = [count % per_run * (n + 64)] if count % per_run else []
+    assert runs == [[per_run * (n + 64)] * (count // per_run) + tail]
 
 
 def test_the_benchmark_round_runs_on_registered_pools(tmp_path: Path) -> None:

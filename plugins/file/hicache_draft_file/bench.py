@@ -390,6 +390,8 @@ def run_bench(quick: bool = False, root: Path | None = None, settle_max_s: float
     scratch filesystem has settled (see :mod:`hicache_draft_file.fs_settle`), at most
     ``settle_max_s`` seconds, and a round counts only while creation stays near that settled cost
     (``GATE_WITHIN``); the report gives the wait, the costs and the rounds excluded."""
+    if root is not None:  # as `bench pipeline --root` and `bench sglang --root` do
+        root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="hcd-file-bench-", dir=root))
     try:
         os.sync()  # frees pending from earlier deletes are processed now, so the probes see their effect

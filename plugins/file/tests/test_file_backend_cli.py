@@ -6,6 +6,7 @@ import json
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from hicache_draft_file.bench import bench_exists, bench_restart, format_report
 from hicache_draft_file.cli import file_group
@@ -45,3 +46,20 @@ def test_bench_pieces_measure_real_stores(tmp_path: Path) -> None:
     }
     text = format_report(rep)
     assert "64K  set" in text and "2.00x" in text and "GOALS NOT MET" in text
+
+
+def test_bench_dir_that_does_not_exist_yet_is_created(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``file bench --dir DIR`` creates DIR (and its parents) for its scratch store, as ``bench
+    pipeline --root`` does, instead of failing in mkdtemp."""
+    import hicache_draft_file.bench as bench_mod
+
+    class Reached(Exception):
+        pass
+
+    def stop(scratch: Path) -> None:
+        assert scratch.parent == tmp_path / "a" / "b" and scratch.is_dir()
+        raise Reached
+
+    monkeypatch.setattr(bench_mod, "load_reference", stop)
+    with pytest.raises(Reached):
+        bench_mod.run_bench(quick=True, root=tmp_path / "a" / "b", settle_max_s=0)

@@ -476,8 +476,6 @@ def attach_headers(transfers: Sequence[PageTransfer], made: bool, parallel: bool
     return out
 
 
-
-
 class _RecordWriter:
     """The core's ``write_records`` for one ``page_set`` (backends that declare
     ``writes_records``): it writes pages of the call to the backend's file in the core's page

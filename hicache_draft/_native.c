@@ -416,6 +416,17 @@ static int halted(_Atomic int *late, const volatile unsigned char *stop, double 
     return 0;
 }
 
+/* Run `work` over `n` pages on the team (GIL released); -1 with TimeoutError(what) when `late`
+ * says a page stopped at the deadline or the stop flag. */
+static int team_in_time(hcd_work work, void *ctx, Py_ssize_t n, int threads, _Atomic int *late, const char *what) {
+    Py_BEGIN_ALLOW_THREADS
+    hcd_team_run(work, ctx, n, threads);
+    Py_END_ALLOW_THREADS
+    if (!atomic_load(late)) return 0;
+    raise_late(what);
+    return -1;
+}
+
 static void pack_one(void *ctx, ptrdiff_t i) {
     headers_ctx *c = ctx;
     if (halted(&c->late, c->stop, c->deadline)) return;
@@ -461,13 +472,7 @@ static PyObject *pack_headers(PyObject *self, PyObject *args) {
         goto done;
     }
     headers_ctx c = {&b, own ? NULL : ov.buf, NULL, deadline, stop != Py_None ? sv.buf : NULL, 0};
-    Py_BEGIN_ALLOW_THREADS
-    hcd_team_run(pack_one, &c, b.n, threads);
-    Py_END_ALLOW_THREADS
-    if (atomic_load(&c.late)) {
-        raise_late("headers past the deadline or after stop");
-        goto done;
-    }
+    if (team_in_time(pack_one, &c, b.n, threads, &c.late, "headers past the deadline or after stop") < 0) goto done;
     res = Py_None;
     Py_INCREF(res);
 done:
@@ -569,13 +574,7 @@ static PyObject *pack_records(PyObject *self, PyObject *args) {
         }
     }
     records_ctx c = {&b, &d, deadline, stop != Py_None ? sv.buf : NULL, 0};
-    Py_BEGIN_ALLOW_THREADS
-    hcd_team_run(record_one, &c, b.n, threads);
-    Py_END_ALLOW_THREADS
-    if (atomic_load(&c.late)) {
-        raise_late("records past the deadline or after stop");
-        goto done;
-    }
+    if (team_in_time(record_one, &c, b.n, threads, &c.late, "records past the deadline or after stop") < 0) goto done;
     res = Py_None;
     Py_INCREF(res);
 done:

@@ -1400,6 +1400,33 @@ fail:
     return NULL;
 }
 
+/* lower_hex(keys) -> bool: whether every key is a non-empty str of lowercase hex digits (SGLang's
+   page hashes are: each is then its own page group), in one branch-free pass over the bytes. */
+static PyObject *lower_hex(PyObject *self, PyObject *keys_in) {
+    PyObject *keys = PySequence_Tuple(keys_in);
+    if (keys == NULL) return NULL;
+    Py_ssize_t n = PyTuple_Size(keys);
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < n && ok; i++) {
+        PyObject *k = PyTuple_GetItem(keys, i);
+        Py_ssize_t len;
+        const char *p = PyUnicode_Check(k) ? PyUnicode_AsUTF8AndSize(k, &len) : NULL;
+        if (p == NULL) {
+            PyErr_Clear(); /* not str, or not encodable: not a page hash */
+            ok = 0;
+            break;
+        }
+        unsigned char bad = len == 0; /* branch-free, so the compiler checks many bytes at a time */
+        for (Py_ssize_t c = 0; c < len; c++) {
+            unsigned char ch = (unsigned char)p[c];
+            bad |= ((unsigned char)(ch - '0') > 9) & ((unsigned char)(ch - 'a') > 5);
+        }
+        ok = !bad;
+    }
+    Py_DECREF(keys);
+    return PyBool_FromLong(ok);
+}
+
 /* ---- module ------------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -1432,6 +1459,8 @@ static PyMethodDef methods[] = {
     {"make_pages", make_pages, METH_VARARGS,
      "make_pages(keys, groups, namespaces, buffers, page_type, page_fields) -> new pages (header None), without "
      "__init__; namespaces: one str for every page or one per page."},
+    {"lower_hex", lower_hex, METH_O,
+     "lower_hex(keys) -> whether every key is a non-empty str of lowercase hex digits."},
     {"with_headers", with_headers, METH_VARARGS,
      "with_headers(pages, base, owner, page_type, page_fields, buffer_type, buffer_fields) -> new pages, "
      "each with a HEADER_SIZE-byte header buffer at base + HEADER_SIZE * i."},

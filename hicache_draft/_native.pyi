@@ -39,6 +39,7 @@ def make_pages(
     keys: Sequence[str], groups: Sequence[str], namespaces: str | Sequence[str], buffers: Sequence[object],
     page_type: type, page_fields: tuple[object, ...],
 ) -> list[object]: ...
+def lower_hex(keys: Sequence[object]) -> bool: ...
 def with_headers(
     pages: Sequence[object], base: int, owner: object, page_type: type, page_fields: tuple[object, ...],
     buffer_type: type, buffer_fields: tuple[object, ...],

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -114,3 +115,30 @@ def test_split_heads_tp2_and_tp4_share_head_groups():
     tp4 = [i.fingerprint() for r in range(4) for i in pool_identities(**common, kv_heads=2, tp_rank=r, tp_size=4)]
     assert tp2 == tp4
     assert len(set(tp4)) == 4
+
+
+_HEXISH = st.text(alphabet="0123456789abcdefABCDEF.g \x00é", max_size=70)
+
+
+@given(st.lists(st.one_of(_HEXISH, st.text(max_size=8), st.integers(), st.none(), st.binary(max_size=4)), max_size=8))
+def test_lower_hex_is_the_page_hash_rule(keys):
+    """``_native.lower_hex`` (the adapter's one-pass check of a batch of SGLang page hashes) says
+    what the rule says: every key a non-empty str of lowercase hex digits."""
+    from hicache_draft import _native
+
+    want = all(isinstance(k, str) and k != "" and set(k) <= set("0123456789abcdef") for k in keys)
+    assert _native.lower_hex(keys) is want
+    assert _native.lower_hex(tuple(keys)) is want
+
+
+def test_lower_hex_checks_every_byte_of_long_keys():
+    """One bad character anywhere in a long key (past any vector width) fails the batch."""
+    from hicache_draft import _native
+
+    good = "0123456789abcdef" * 16
+    assert _native.lower_hex([good] * 3)
+    for pos in (0, 15, 16, 31, 63, 64, 200, 255):
+        bad = good[:pos] + "g" + good[pos + 1:]
+        assert not _native.lower_hex([good, bad, good]), pos
+    with pytest.raises(TypeError):
+        _native.lower_hex(5)  # not a sequence of keys

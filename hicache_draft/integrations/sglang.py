@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from hicache_draft import _native
 from hicache_draft.backend import BackendContext
 from hicache_draft.binding import Batch, PoolBinding, Staging, settle, staging_pages, usable_hit
 from hicache_draft.capabilities import HitPolicy, IOPath, PoolKind
@@ -174,19 +175,11 @@ def page_group(sglang_key: str) -> str:
     return low if _HEX.fullmatch(low) else hashlib.sha256(sglang_key.encode()).hexdigest()
 
 
-_HEX_DIGITS = b"0123456789abcdef"
-
-
-def page_groups(sglang_keys: Sequence[str], joined: str | None = None) -> list[str]:
-    """:func:`page_group` of every key; a batch of lowercase hex keys (SGLang's) in whole-batch
-    steps. ``joined``: ``"".join(sglang_keys)`` when the caller has it."""
-    try:
-        if joined is None:
-            joined = "".join(sglang_keys)
-        if all(sglang_keys) and not joined.encode().translate(None, _HEX_DIGITS):
-            return list(sglang_keys)  # every key is non-empty lowercase hex: its own group
-    except (TypeError, UnicodeError):
-        pass
+def page_groups(sglang_keys: Sequence[str]) -> list[str]:
+    """:func:`page_group` of every key; a batch of lowercase hex keys (SGLang's) checked in one
+    compiled pass and kept as it is."""
+    if _native.lower_hex(sglang_keys):
+        return list(sglang_keys)  # every key is non-empty lowercase hex: its own group
     return [page_group(k) for k in sglang_keys]
 
 
@@ -202,12 +195,8 @@ def split_generic_key(key: str) -> tuple[str, str]:
 def split_generic_keys(keys: Sequence[str]) -> tuple[list[str], list[str]]:
     """:func:`split_generic_key` of every key, as (pools, groups); a batch without any ``"."``
     (target pages only, SGLang's usual batch) in whole-batch steps."""
-    try:
-        joined = "".join(keys)
-    except TypeError:
-        joined = "."
-    if "." not in joined:
-        return [PoolKind.KV] * len(keys), page_groups(keys, joined)
+    if _native.lower_hex(keys):  # SGLang's page hashes: no "." in any
+        return [PoolKind.KV] * len(keys), list(keys)
     parsed = [split_generic_key(k) for k in keys]
     return [k for k, _ in parsed], [g for _, g in parsed]
 
@@ -216,16 +205,16 @@ class _Hashes:
     """One call's SGLang page hashes, with their page groups (:func:`page_groups`) made at most
     once, when a pool first needs them."""
 
-    __slots__ = ("_groups", "hashes", "joined")
+    __slots__ = ("_groups", "hashes")
 
-    def __init__(self, hashes: Sequence[str], joined: str | None = None, groups: list[str] | None = None) -> None:
-        self.hashes, self.joined = hashes, joined
+    def __init__(self, hashes: Sequence[str], groups: Sequence[str] | None = None) -> None:
+        self.hashes = hashes
         self._groups = groups
 
     @property
-    def groups(self) -> list[str]:
+    def groups(self) -> Sequence[str]:
         if self._groups is None:
-            self._groups = page_groups(self.hashes, self.joined)
+            self._groups = page_groups(self.hashes)
         return self._groups
 
 
@@ -600,14 +589,17 @@ class HiCacheDraftStorage(HiCacheStorage):
         draft prefix, so no restored prefix keeps stale draft KV."""
         if not keys:
             return 0
+        draft = self.bindings.get(PoolKind.DRAFT)
+        legacy = self._legacy_draft if draft is not None else None
+        target = [(legacy, None)] if legacy else []
+        if _native.lower_hex(keys):  # SGLang's hit query: target page hashes, each its own group
+            return self._hit(_Hashes(keys, keys), target)[0]
         try:
             joined = "".join(keys)
         except TypeError:
             joined = "."
-        draft = self.bindings.get(PoolKind.DRAFT)
-        legacy = self._legacy_draft if draft is not None else None
-        if "." not in joined:  # target page hashes only (SGLang's hit query)
-            return self._hit(_Hashes(keys, joined), [(legacy, None)] if legacy else [])[0]
+        if "." not in joined:  # target pages under other hashes
+            return self._hit(_Hashes(keys), target)[0]
         names, groups = split_generic_keys(keys)
         if len(set(names)) != 1:
             for i, k in enumerate(keys):
@@ -670,7 +662,7 @@ class HiCacheDraftStorage(HiCacheStorage):
         if kv is not None and kv[0].binding.split == 1 and "." not in "".join(keys):
             # plain page hashes (SGLang's usual batch): their keys are remembered for the hit query
             job, pos_kv = kv
-            job.keys = self._hash_keys(job.binding, _Hashes([keys[p] for p in pos_kv], None, job.groups))
+            job.keys = self._hash_keys(job.binding, _Hashes([keys[p] for p in pos_kv], job.groups))
         return [j for j, _ in by_name.values()], [p for _, p in by_name.values()]
 
     @_never_raise(_constant(False))

@@ -18,6 +18,11 @@ cache emptied before each query: a hit query for pages another server wrote).
 ``generic`` set and get copy every page through staging memory (the backend gets registered
 memory, and a late read never lands in SGLang's tensors), which the baseline does not: their rows
 also give that copy's own time and the goal is checked against backend + copy (the floor).
+Likewise an existence query: the Store call is handed its storage keys ready, while any adapter
+makes them from SGLang's page hashes first (one string per page and pool); the ``exists`` rows give
+that making's own time (the bindings' rule alone, :meth:`~hicache_draft.PoolBinding.keys`) and the
+goal is checked against backend + keys (each Store call of a few tens of microseconds on a small
+VM is mostly the hand-over to its worker thread, so those few microseconds per query weigh).
 
 Paths: ``v1`` (``batch_set_v1`` / ``batch_get_v1`` / ``batch_exists``: target pages zero-copy by
 host index), ``v2`` (``batch_set_v2`` / ``batch_get_v2`` / ``batch_exists_v2`` with a DRAFT
@@ -168,6 +173,7 @@ class Row:
     adapter: list[float] = field(default_factory=list)
     store: list[float] = field(default_factory=list)
     copy: list[float] = field(default_factory=list)  # generic set/get: the staging copies alone
+    keys: list[float] = field(default_factory=list)  # exists: making the query's storage keys alone
     hook: list[float] = field(default_factory=list)  # exists: the backend's hook called in this thread
 
     @property
@@ -181,19 +187,26 @@ class Row:
         return statistics.median(self.ratios)
 
     @property
+    def own(self) -> list[float]:
+        """Per round, the work no adapter of this path avoids: the generic path's staging copy, or
+        an existence query's storage keys made from SGLang's hashes (the Store call is handed them
+        ready); empty for the rest."""
+        return self.copy or self.keys
+
+    @property
     def floor(self) -> float:
-        """The median per-round (backend + the generic path's staging copy) / backend: what no
-        adapter that copies through staging goes below (1.0 without a copy)."""
-        if not self.copy:
+        """The median per-round (backend + :attr:`own`) / backend: what no adapter of this path
+        goes below (1.0 when it has no such work)."""
+        if not self.own:
             return 1.0
-        return statistics.median([(s + c) / s for s, c in zip(self.store, self.copy, strict=True)])
+        return statistics.median([(s + c) / s for s, c in zip(self.store, self.own, strict=True)])
 
     @property
     def over_floor(self) -> float:
-        """The median per-round adapter / (backend + staging copy): what the goal is checked on."""
-        if not self.copy:
+        """The median per-round adapter / (backend + :attr:`own`): what the goal is checked on."""
+        if not self.own:
             return self.ratio
-        return statistics.median([a / (s + c) for a, s, c in zip(self.adapter, self.store, self.copy, strict=True)])
+        return statistics.median([a / (s + c) for a, s, c in zip(self.adapter, self.store, self.own, strict=True)])
 
     @property
     def meets_goal(self) -> bool:
@@ -209,7 +222,10 @@ class Row:
         if self.copy:
             return (text + f"  staging copy {statistics.median(self.copy) * 1e3:.3f} ms, floor {self.floor:.2f}: "
                     f"ratio to backend + copy {self.over_floor:5.2f}, goal <= {GOAL:.2f} {verdict}")
-        hook = f"  (its hook alone {statistics.median(self.hook) * 1e3:.3f} ms)" if self.hook else ""
+        hook = f", its hook alone {statistics.median(self.hook) * 1e3:.3f} ms" if self.hook else ""
+        if self.keys:
+            return (text + f"  keys alone {statistics.median(self.keys) * 1e3:.3f} ms{hook}, floor {self.floor:.2f}: "
+                    f"ratio to backend + keys {self.over_floor:5.2f}, goal <= {GOAL:.2f} {verdict}")
         return text + f"  goal <= {GOAL:.2f} {verdict}{hook}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -219,6 +235,8 @@ class Row:
                "checked_ratio": self.over_floor, "meets_goal": self.meets_goal}
         if self.copy:
             out["copy_s"], out["floor"] = statistics.median(self.copy), self.floor
+        if self.keys:
+            out["keys_s"], out["floor"] = statistics.median(self.keys), self.floor
         if self.hook:
             out["hook_s"] = statistics.median(self.hook)
         return out
@@ -354,6 +372,13 @@ class _Case:
         if op == "get":
             return lambda: all(t is not None for t in a.batch_get(keys, self.dummies))
         return lambda: a.batch_exists(keys) == n
+
+    def keys_call(self, keys: list[str]) -> Callable[[], bool]:
+        """The storage keys of an existence query made from SGLang's page hashes by the pool
+        bindings' own rule (:meth:`~hicache_draft.PoolBinding.keys`) and nothing else: what any
+        adapter does before the Store call, which the Store call is handed ready."""
+        bindings = [self.adapter.bindings[k] for k in self.store_queries(keys)]
+        return lambda: all(len(b.keys(keys)) == len(keys) for b in bindings)
 
     def hook_call(self, keys: list[str]) -> Callable[[], bool]:
         """The backend's ``page_exists`` hook for the same queries, called in this thread: the
@@ -515,6 +540,8 @@ def _rounds(
             ]
             if case.path == "generic" and op in ("set", "get"):
                 calls.append(("copy", case.staging_copy(op), None))
+            if op.startswith("exists"):
+                calls.append(("keys", case.keys_call(keys), None))
             if op == "exists":
                 calls.append(("hook", case.hook_call(keys), None))
             if r % 2:

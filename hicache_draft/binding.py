@@ -290,6 +290,7 @@ class PoolBinding:
             raise ValueError(f"host pool of {str(plan.spec.kind)!r} does not match the planned shape")
         self.plan = plan
         self.spec = plan.spec
+        self.name: str = plan.spec.kind  # asked many times a query: a plain attribute
         self.host = host
         self.path = plan.path
         self.reason = plan.reason
@@ -302,10 +303,6 @@ class PoolBinding:
         assert all(make_key("0a", ns) == "0a" + s for ns, s in zip(self.namespaces, self._suffixes, strict=True))
 
     # -- what it is ---------------------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return self.spec.kind
-
     @property
     def active(self) -> bool:
         return self.path is not IOPath.DISABLED

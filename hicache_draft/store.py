@@ -1,10 +1,10 @@
 """An opened backend: its pluggy manager, its observers, and bounded, exception-free, verified calls.
 
-:class:`Store` is what the controller and the SGLang adapter talk to. Every call runs on a small
-worker pool and is bounded by ``timeout_s``; an exception (any ``BaseException`` but
-``KeyboardInterrupt``), a result of the wrong shape or a timeout becomes per-page ``FAILED``
-results (or a zero existence count), logged once per kind with the backend's name, never raised
-into the serving loop.
+:class:`Store` is what the controller and the SGLang adapter talk to. Every call runs on one of
+a few worker threads (:mod:`hicache_draft.workers`) and is bounded by ``timeout_s``; an exception
+(any ``BaseException`` but ``KeyboardInterrupt``), a result of the wrong shape or a timeout
+becomes per-page ``FAILED`` results (or a zero existence count), logged once per kind with the
+backend's name, never raised into the serving loop.
 
 Integrity lives here, for every backend and both paths: :meth:`Store.page_set` makes each page's
 header (key digest, namespace, length, xxh3 of the bytes handed over) before the call and gives it
@@ -30,9 +30,9 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,12 +61,10 @@ from hicache_draft.transfer import (
     PageTransfer,
     PoolRegistration,
 )
+from hicache_draft.workers import DONE as _DONE
+from hicache_draft.workers import Job, Workers
 
 log = logging.getLogger("hicache_draft.store")
-
-_DONE: Future[None] = Future()
-_DONE.set_result(None)
-
 
 def validate_options(name: str, cls: type[StorageBackend], options: Mapping[str, Any] | BaseModel) -> BaseModel:
     """Validate ``[backend_options]`` with the backend's own model; :class:`ConfigError` naming the field."""
@@ -137,7 +135,8 @@ class Store:
             raise PluginError(f"backend {name!r}: {exc}") from None
         self._observed = bool(self.pm.hook.call_done.get_hookimpls())
         self._hears_rejections = bool(self.pm.hook.page_rejected.get_hookimpls())
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"hicache-draft-{name}")
+        self._workers = Workers(4, f"hicache-draft-{name}")
+        weakref.finalize(self, self._workers.shutdown)  # an unclosed store's idle threads end with it
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         self._closed = False
@@ -167,29 +166,28 @@ class Store:
 
     def _call(self, hook: str, kwargs: dict[str, Any], deadline: float) -> tuple[str, Any, Future[Any]]:
         """Run a hook bounded by the timeout: ("ok", result, fut) | ("error", exc, fut) | ("timeout", None, fut)."""
-        started = self._start(hook, kwargs)
+        started = self._start(hook, kwargs, deadline)
         if isinstance(started, BaseException):
             return "error", started, _DONE
         return self._wait(started, deadline)
 
-    def _start(self, hook: str, kwargs: dict[str, Any]) -> Future[Any] | BaseException:
+    def _start(
+        self, hook: str, kwargs: dict[str, Any], deadline: float, then: Callable[[Job], None] | None = None
+    ) -> Job | BaseException:
         if self._closed:
             return RuntimeError("store is closed")
         try:
-            return self._pool.submit(getattr(self.pm.hook, hook), **kwargs)
-        except RuntimeError as exc:  # executor shut down
+            return self._workers.submit(getattr(self.pm.hook, hook), kwargs, deadline, then)
+        except RuntimeError as exc:  # shut down
             return exc
 
-    @staticmethod
-    def _wait(fut: Future[Any], deadline: float) -> tuple[str, Any, Future[Any]]:
-        try:
-            return "ok", fut.result(timeout=max(0.0, deadline - time.monotonic())), fut
-        except FutureTimeout:
-            return "timeout", None, fut
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # SystemExit, asyncio.CancelledError, ... from a backend: its failure
-            return "error", exc, fut
+    def _wait(self, job: Job, deadline: float) -> tuple[str, Any, Future[Any]]:
+        returned, released = self._workers.wait(job, deadline)
+        if not returned:
+            return "timeout", None, released
+        if job.error is not None:  # SystemExit, asyncio.CancelledError, ... from a backend: its failure
+            return "error", job.error, released
+        return "ok", job.value, released
 
     def _done(
         self, hook: str, outcome: str, started: float, transfers: Sequence[PageTransfer],
@@ -318,12 +316,12 @@ class Store:
                 "(%s); counted as corrupt, never data", self.name, page.key, pool, exc,
             )
         if rejected and self._hears_rejections:
-            started = self._start("page_rejected", {"rejected": rejected})  # off the caller's thread, unawaited
-            if isinstance(started, Future):
-                started.add_done_callback(self._rejection_done)
+            # off the caller's thread, unawaited
+            self._start("page_rejected", {"rejected": rejected}, time.monotonic() + self.timeout_s,
+                        self._rejection_done)
 
-    def _rejection_done(self, fut: Future[Any]) -> None:
-        exc = fut.exception()
+    def _rejection_done(self, job: Job) -> None:
+        exc = job.error
         if exc is not None:
             self._log_once("page_rejected", "backend %r: page_rejected raised %s: %s", self.name,
                            type(exc).__name__, exc)
@@ -421,7 +419,7 @@ class Store:
         if status != "ok":
             log.warning("backend %r: close %s", self.name, "timed out" if status == "timeout" else value)
         self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._workers.shutdown()
 
     def __enter__(self) -> Store:
         return self

@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1400,6 +1401,86 @@ fail:
     return NULL;
 }
 
+/* ---- spinning hand-over (the Store's worker threads, hicache_draft/workers.py) ---------------- */
+
+/* A flag: a byte set once a call's result is ready. A count: 8 bytes holding a native int64, the
+   calls queued (written under the workers' lock). A ring: a native uint64 each waiting caller
+   bumps, atomically and without the GIL, once it has let go of the GIL. */
+
+static int flag_set(const void *flag) { return __atomic_load_n((const unsigned char *)flag, __ATOMIC_ACQUIRE) != 0; }
+static int count_positive(const void *count) { return __atomic_load_n((const int64_t *)count, __ATOMIC_ACQUIRE) > 0; }
+static uint64_t ring_value(const void *ring) { return __atomic_load_n((const uint64_t *)ring, __ATOMIC_ACQUIRE); }
+
+/* Poll until seen(p) or `end` (monotonic seconds), yielding the CPU between polls so
+   that a thread waiting to run on this CPU (the one handed the work, say) runs first. Called
+   without the GIL. */
+static int spin_until(int (*seen)(const void *), const void *p, double end) {
+    for (;;) {
+        if (seen(p)) return 1;
+        if (monotonic_now() >= end) return 0;
+        sched_yield();
+    }
+}
+
+static int spin_buffers(PyObject **objs, Py_buffer *views, const Py_ssize_t *need, const char *const *what, int n) {
+    for (int i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(objs[i], &views[i], PyBUF_WRITABLE) < 0 || views[i].len < need[i]) {
+            if (!PyErr_Occurred()) {
+                PyBuffer_Release(&views[i]);
+                PyErr_Format(PyExc_ValueError, "%s must be a writable buffer of at least %zd bytes", what[i], need[i]);
+            }
+            while (i-- > 0) PyBuffer_Release(&views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* spin_wait(flag, ring, seconds) -> bool */
+static PyObject *spin_wait(PyObject *self, PyObject *args) {
+    PyObject *objs[2];
+    double seconds;
+    if (!PyArg_ParseTuple(args, "OOd", &objs[0], &objs[1], &seconds)) return NULL;
+    Py_buffer v[2];
+    static const Py_ssize_t need[2] = {1, 8};
+    static const char *const what[2] = {"flag", "ring"};
+    if (spin_buffers(objs, v, need, what, 2) < 0) return NULL;
+    int got;
+    Py_BEGIN_ALLOW_THREADS
+    __atomic_fetch_add((uint64_t *)v[1].buf, 1, __ATOMIC_RELEASE); /* the GIL is free now */
+    got = spin_until(flag_set, v[0].buf, monotonic_now() + (seconds > 0 ? seconds : 0));
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&v[0]);
+    PyBuffer_Release(&v[1]);
+    return PyBool_FromLong(got);
+}
+
+/* post_and_spin(flag, count, ring, seconds, settle) -> bool */
+static PyObject *post_and_spin(PyObject *self, PyObject *args) {
+    PyObject *objs[3];
+    double seconds, settle;
+    if (!PyArg_ParseTuple(args, "OOOdd", &objs[0], &objs[1], &objs[2], &seconds, &settle)) return NULL;
+    Py_buffer v[3];
+    static const Py_ssize_t need[3] = {1, 8, 8};
+    static const char *const what[3] = {"flag", "count", "ring"};
+    if (spin_buffers(objs, v, need, what, 3) < 0) return NULL;
+    int got;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t before = ring_value(v[2].buf);
+    __atomic_store_n((unsigned char *)v[0].buf, 1, __ATOMIC_RELEASE); /* the GIL is free now */
+    double start = monotonic_now();
+    got = spin_until(count_positive, v[1].buf, start + (seconds > 0 ? seconds : 0));
+    if (got) { /* a call is queued: give its caller a moment to let go of the GIL (it rings) */
+        double end = monotonic_now() + (settle > 0 ? settle : 0);
+        while (ring_value(v[2].buf) == before && monotonic_now() < end) sched_yield();
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&v[0]);
+    PyBuffer_Release(&v[1]);
+    PyBuffer_Release(&v[2]);
+    return PyBool_FromLong(got);
+}
+
 /* lower_hex(keys) -> bool: whether every key is a non-empty str of lowercase hex digits (SGLang's
    page hashes are: each is then its own page group), in one branch-free pass over the bytes. */
 static PyObject *lower_hex(PyObject *self, PyObject *keys_in) {
@@ -1459,6 +1540,13 @@ static PyMethodDef methods[] = {
     {"make_pages", make_pages, METH_VARARGS,
      "make_pages(keys, groups, namespaces, buffers, page_type, page_fields) -> new pages (header None), without "
      "__init__; namespaces: one str for every page or one per page."},
+    {"spin_wait", spin_wait, METH_VARARGS,
+     "spin_wait(flag, ring, seconds) -> whether flag[0] was set within seconds: the GIL let go, the ring (8 bytes, "
+     "a native uint64) bumped, then flag polled, yielding the CPU between polls."},
+    {"post_and_spin", post_and_spin, METH_VARARGS,
+     "post_and_spin(flag, count, ring, seconds, settle) -> whether the count (a native int64) became positive "
+     "within seconds: the GIL let go, flag[0] set, the count polled as spin_wait polls; once positive, up to settle "
+     "seconds more for the ring to move (the caller has let go of the GIL)."},
     {"lower_hex", lower_hex, METH_O,
      "lower_hex(keys) -> whether every key is a non-empty str of lowercase hex digits."},
     {"with_headers", with_headers, METH_VARARGS,

@@ -1,6 +1,7 @@
 """The Store's worker threads: a hung backend call never holds up the caller past its deadline,
 nor the process's exit past it; an abandoned call that had not started never starts; a forked
-child gets threads of its own; an unclosed store's threads end with it.
+child gets threads of its own; an unclosed store's threads end with it; the hand-over polls
+(``_native.spin_wait`` / ``post_and_spin``) without losing or mixing up a result.
 
 The Store-level tests here fail on the ThreadPoolExecutor the Store used before
 (hicache_draft/workers.py says why each one did).
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_draft import BackendContext, Buffer, Page, PageResult, PageTransfer, PoolKind, Store
+from hicache_draft import BackendContext, Buffer, Page, PageResult, PageTransfer, PoolKind, Store, _native
 from hicache_draft.testing import Faults, MemoryBackend
 from hicache_draft.workers import DONE, Workers
 
@@ -222,3 +223,110 @@ def test_shutdown_drops_calls_not_started_and_refuses_new_ones():
 def test_workers_need_a_thread():
     with pytest.raises(ValueError, match="at least one thread"):
         Workers(0, "none")
+
+
+# -- the polling hand-over ---------------------------------------------------------------------
+def _int64(n: int) -> bytearray:
+    return bytearray(n.to_bytes(8, sys.byteorder, signed=True))
+
+
+def test_spin_wait_rings_once_then_sees_a_flag_another_thread_sets():
+    flag, ring = bytearray(1), bytearray(8)
+    setter = threading.Timer(0.05, flag.__setitem__, (0, 1))
+    setter.start()
+    t0 = time.monotonic()
+    assert _native.spin_wait(flag, ring, 10.0)
+    assert 0.04 <= time.monotonic() - t0 < 5.0
+    assert int.from_bytes(ring, sys.byteorder) == 1
+    setter.join()
+
+
+def test_spin_wait_gives_up_at_its_time():
+    flag, ring = bytearray(1), bytearray(8)
+    t0 = time.monotonic()
+    assert not _native.spin_wait(flag, ring, 0.05)
+    assert 0.05 <= time.monotonic() - t0 < 5.0
+    assert not _native.spin_wait(flag, ring, -1.0)  # past: one look
+    assert int.from_bytes(ring, sys.byteorder) == 2
+
+
+def test_post_and_spin_posts_then_waits_for_a_queued_call_and_its_caller():
+    flag, ring = bytearray(1), bytearray(8)
+    t0 = time.monotonic()
+    assert not _native.post_and_spin(flag, _int64(0), ring, 0.05, 0.05)  # nothing queued
+    assert flag[0] == 1 and 0.05 <= time.monotonic() - t0 < 5.0
+    assert not _native.post_and_spin(bytearray(1), _int64(-1), ring, 0.0, 0.0)
+    count = _int64(0)
+    waiter = threading.Thread(target=_native.spin_wait, args=(bytearray(1), ring, 0.2))
+    threading.Timer(0.05, count.__setitem__, (slice(0, 8), _int64(1))).start()
+    threading.Timer(0.1, waiter.start).start()
+    t0 = time.monotonic()
+    assert _native.post_and_spin(bytearray(1), count, ring, 10.0, 10.0)  # the call, then its ring
+    assert 0.09 <= time.monotonic() - t0 < 5.0
+    waiter.join()
+
+
+def test_the_hand_over_refuses_buffers_it_cannot_use():
+    with pytest.raises(BufferError):
+        _native.spin_wait(b"\0", bytearray(8), 0.0)
+    with pytest.raises(ValueError, match="ring must be a writable buffer of at least 8 bytes"):
+        _native.spin_wait(bytearray(1), bytearray(4), 0.0)
+    with pytest.raises(ValueError, match="count must be a writable buffer of at least 8 bytes"):
+        _native.post_and_spin(bytearray(1), bytearray(7), bytearray(8), 0.0, 0.0)
+    with pytest.raises(ValueError, match="flag must be a writable buffer of at least 1 bytes"):
+        _native.post_and_spin(bytearray(0), bytearray(8), bytearray(8), 0.0, 0.0)
+
+
+class _NoLock:
+    def acquire(self, *args: object, **kwargs: object) -> bool:
+        raise AssertionError("the caller slept on the lock")
+
+
+def test_a_caller_whose_call_returns_while_it_polls_never_sleeps_on_the_lock():
+    w = Workers(1, "unit-poll", spin_s=10.0)
+    try:
+        for i in range(50):
+            job = w.submit(lambda x: x + 1, {"x": i}, time.monotonic() + 30)
+            job._finished = _NoLock()  # the worker only releases it
+            job._finished.release = lambda: None  # type: ignore[method-assign]
+            assert w.wait(job, time.monotonic() + 30) == (True, DONE) and job.value == i + 1
+    finally:
+        w.shutdown()
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 100e-6, 0.2])
+def test_callers_on_many_threads_each_get_their_own_result(spin_s):
+    w = Workers(2, f"unit-many-{spin_s}", spin_s=spin_s)
+    errors: list[str] = []
+
+    def caller(k: int) -> None:
+        for i in range(200):
+            x = k * 10_000 + i
+            job = w.submit(lambda x: x * 3 if x % 7 else (time.sleep(0.001), x * 3)[1], {"x": x}, time.monotonic() + 30)
+            returned, released = w.wait(job, time.monotonic() + 30)
+            if not returned or released is not DONE or job.value != 3 * x:
+                errors.append(f"{x}: {returned} {job.value}")
+
+    callers = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    try:
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(60)
+    finally:
+        w.shutdown()
+    assert not errors and not any(t.is_alive() for t in callers)
+
+
+def test_a_call_longer_than_the_poll_is_waited_for_on_the_lock():
+    w = Workers(1, "unit-long", spin_s=1e-3)
+    try:
+        job = w.submit(lambda: (time.sleep(0.2), "late")[1], {}, time.monotonic() + 30)
+        t0 = time.monotonic()
+        assert w.wait(job, time.monotonic() + 30) == (True, DONE) and job.value == "late"
+        assert time.monotonic() - t0 >= 0.15
+        job = w.submit(lambda: (time.sleep(0.5), "later")[1], {}, time.monotonic() + 30)
+        returned, released = w.wait(job, time.monotonic() + 0.1)  # gives up, then released on return
+        assert not returned and released.result(timeout=5) is None and job.value == "later"
+    finally:
+        w.shutdown()

@@ -92,9 +92,8 @@ class Workers:
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._threads = 0
         self._waiting = 0  # threads blocked for a job
-        self._queued = 0  # jobs put and not yet taken
-        self._count = bytearray(8)  # _queued, as a native int64 an idle thread polls without the GIL
-        self._queued_count = memoryview(self._count).cast("q")
+        self._count = bytearray(8)  # jobs put and not yet taken: a native int64 an idle thread polls
+        self._queued = memoryview(self._count).cast("q")  # without the GIL; changed under _lock
         self._ring = bytearray(8)  # bumped by each waiting caller once it has let go of the GIL
         self._running: set[Job] = set()
 
@@ -108,9 +107,8 @@ class Workers:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the workers are shut down")
-            self._queued += 1
-            self._queued_count[0] = self._queued
-            start = self._queued > self._waiting and self._threads < self.size
+            self._queued[0] += 1
+            start = self._queued[0] > self._waiting and self._threads < self.size
             if start:
                 self._threads += 1
                 name = f"{self.name}_{self._threads - 1}"
@@ -134,8 +132,7 @@ class Workers:
                 if job is None:  # shut down
                     self._threads -= 1
                     return
-                self._queued -= 1
-                self._queued_count[0] = self._queued
+                self._queued[0] -= 1
                 if job.state == _DROPPED:
                     self._waiting += 1
                     continue
@@ -194,8 +191,7 @@ class Workers:
                 break
             if job is not None:
                 with self._lock:
-                    self._queued -= 1
-                    self._queued_count[0] = self._queued
+                    self._queued[0] -= 1
                     if job.state != _QUEUED:
                         continue
                     job.state = _DROPPED

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from hicache_draft import _native
 from hicache_draft.capabilities import Attention, Capabilities, HitPolicy, IOPath, PoolKind
@@ -293,6 +293,7 @@ class PoolBinding:
         self.name: str = plan.spec.kind  # asked many times a query: a plain attribute
         self.host = host
         self.path = plan.path
+        self.active = plan.path is not IOPath.DISABLED  # asked many times a query: a plain attribute
         self.reason = plan.reason
         self.split = plan.split
         self.namespaces = plan.namespaces
@@ -303,10 +304,6 @@ class PoolBinding:
         assert all(make_key("0a", ns) == "0a" + s for ns, s in zip(self.namespaces, self._suffixes, strict=True))
 
     # -- what it is ---------------------------------------------------------------------------------
-    @property
-    def active(self) -> bool:
-        return self.path is not IOPath.DISABLED
-
     @property
     def zero_copy(self) -> bool:
         return self.path is IOPath.ZERO_COPY and self.host is not None
@@ -322,7 +319,7 @@ class PoolBinding:
     def disable(self, reason: str) -> None:
         """Stop offloading this pool because of another pool (:func:`blocked_by`); :attr:`plan`
         keeps the pool's own verdict."""
-        self.path, self.reason = IOPath.DISABLED, reason
+        self.path, self.reason, self.active = IOPath.DISABLED, reason, False
 
     def keys(self, groups: Sequence[str]) -> list[str]:
         """``make_key(group, namespace)`` of every page and head part, page-major."""
@@ -478,8 +475,7 @@ class PoolBinding:
         return oks
 
 
-@dataclass(frozen=True)
-class Hit:
+class Hit(NamedTuple):
     """What :func:`usable_hit` found: ``pages`` of the prefix are restorable by every pool that
     gates it; ``draft_pages`` (<= pages) by the draft-role pools too; ``boundaries`` each pool's own."""
 
@@ -509,21 +505,48 @@ def usable_hit(
     only bound ``draft_pages``. A window that fails moves the candidate before the missing page;
     after ``probes`` failed windows the pool gives 0. ``windows[name]``: a trailing pool's window
     for this query instead of its spec's ``window_pages`` (SGLang says it per call: the transfer's keys)."""
-    if len(bindings) == 1 and bindings[0].spec.role is not PoolKind.DRAFT:  # the usual query: the target alone
-        b = bindings[0]
-        if b.spec.hit_policy is HitPolicy.ALL_PAGES:
-            if not b.active:
-                return Hit(max(0, limit), 0, {})
-            got = min(limit, prefix.get(b.name, 0))
-            return Hit(max(0, got), 0, {b.name: got})
-    active = [b for b in bindings if b.active]
-    gating = active if draft_gates else [b for b in active if b.spec.role is not PoolKind.DRAFT]
-    draft = [b for b in active if b.spec.role is PoolKind.DRAFT]
-    rule = _Windows(prefix, window_stored, limit, probes, bindings, windows)
     bounds: dict[str, int] = {}
-    pages = rule.settle(gating, limit, bounds)
-    draft_pages = rule.settle(draft, pages, dict(bounds)) if draft and not draft_gates else (pages if draft else 0)
-    return Hit(pages, draft_pages, bounds)
+    if draft_gates:
+        n, trailing, drafted = _leading(bindings, prefix, limit, limit, bounds)
+        if trailing:
+            n = _Windows(prefix, window_stored, limit, probes, bindings, windows).settle(trailing, n, bounds)
+        pages = max(0, n)
+        return Hit(pages, pages if drafted else 0, bounds)
+    rule = _Windows(prefix, window_stored, limit, probes, bindings, windows)
+    active = [b for b in bindings if b.active]
+    pages = rule.settle([b for b in active if b.spec.role is not PoolKind.DRAFT], limit, bounds)
+    draft = [b for b in active if b.spec.role is PoolKind.DRAFT]
+    return Hit(pages, rule.settle(draft, pages, dict(bounds)) if draft else 0, bounds)
+
+
+# the members the hit rule asks for per pool, as module names (an Enum member looked up on its
+# class costs a Python-level attribute hook each time, and an existence query asks many times)
+_ALL_PAGES, _TRAILING_PAGES, _DRAFT = HitPolicy.ALL_PAGES, HitPolicy.TRAILING_PAGES, PoolKind.DRAFT
+
+
+def _leading(
+    pools: Sequence[PoolBinding], prefix: Mapping[str, int], limit: int, n: int, bounds: dict[str, int]
+) -> tuple[int, list[PoolBinding], bool]:
+    """The ``all_pages`` part of the rule over the active ones of ``pools``: ``n`` cut to each such
+    pool's stored prefix (at most ``limit``; each one's boundary into ``bounds``); the
+    ``trailing_pages`` pools left to ask; whether a draft-role pool is among them. (One plain loop:
+    an existence query of SGLang's runs it, and its few microseconds count.)"""
+    trailing: list[PoolBinding] = []
+    drafted = False
+    for b in pools:
+        if not b.active:
+            continue
+        spec = b.spec
+        if spec.role is _DRAFT:
+            drafted = True
+        if spec.hit_policy is _ALL_PAGES:
+            got = prefix.get(b.name, 0)
+            bounds[b.name] = got = got if got < limit else limit
+            if got < n:
+                n = got
+        elif spec.hit_policy is _TRAILING_PAGES:
+            trailing.append(b)
+    return n, trailing, drafted
 
 
 class _Windows:
@@ -547,13 +570,7 @@ class _Windows:
 
     def settle(self, pools: Sequence[PoolBinding], n: int, bounds: dict[str, int]) -> int:
         """The largest candidate <= ``n`` that ``pools`` all hold; their boundaries into ``bounds``."""
-        trailing: list[PoolBinding] = []
-        for b in pools:
-            if b.spec.hit_policy is HitPolicy.ALL_PAGES:
-                bounds[b.name] = got = min(self.limit, self.prefix.get(b.name, 0))
-                n = min(n, got)
-            elif b.spec.hit_policy is HitPolicy.TRAILING_PAGES:
-                trailing.append(b)
+        n, trailing, _ = _leading(pools, self.prefix, self.limit, n, bounds)
         if not trailing:
             return max(0, n)
         for _ in range(self.probes):

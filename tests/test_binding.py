@@ -189,7 +189,8 @@ class _Fake:
         self.spec = type("S", (), {"role": role, "hit_policy": policy, "window_pages": window})()
 
 
-def hit(pools, prefix, stored_pages, limit, draft_gates=True):
+def stored_windows(stored_pages):
+    """usable_hit's window_stored over a set of stored pages per pool."""
     def window(b, n):
         got = 0
         for page in range(n - 1, max(-1, n - 1 - b.spec.window_pages), -1):
@@ -197,7 +198,11 @@ def hit(pools, prefix, stored_pages, limit, draft_gates=True):
                 break
             got += 1
         return got
-    return usable_hit(pools, prefix, window, limit=limit, draft_gates=draft_gates)
+    return window
+
+
+def hit(pools, prefix, stored_pages, limit, draft_gates=True):
+    return usable_hit(pools, prefix, stored_windows(stored_pages), limit=limit, draft_gates=draft_gates)
 
 
 KV_ = _Fake("kv", PoolKind.KV, HitPolicy.ALL_PAGES)
@@ -240,6 +245,48 @@ def test_trailing_pools_are_checked_over_their_window_only():
     assert hit([KV_, SWA], {"kv": 8}, {"swa": {3, 4, 6}}, limit=8).pages == 5
     # no window anywhere: no hit
     assert hit([KV_, SWA], {"kv": 8}, {"swa": set()}, limit=8).pages == 0
+
+
+def _brute_hit(pools, prefix, stored_pages, limit):
+    """The rule as written: the largest n <= limit that every all_pages pool holds from page 0 and
+    every trailing pool over its last min(window, n) pages."""
+    def holds(b, n):
+        if b.spec.hit_policy is HitPolicy.ALL_PAGES:
+            return prefix.get(b.name, 0) >= n
+        return all(p in stored_pages[b.name] for p in range(n - min(b.spec.window_pages, n), n))
+    return max([n for n in range(max(0, limit) + 1) if all(holds(b, n) for b in pools if b.active)], default=0)
+
+
+_POOL = st.tuples(st.sampled_from([PoolKind.KV, PoolKind.DRAFT]), st.booleans(), st.integers(1, 4), st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(pools=st.lists(_POOL, min_size=1, max_size=4), limit=st.integers(0, 12), gates=st.booleans(),
+       data=st.data())
+def test_the_hit_is_the_largest_prefix_every_pool_holds(pools, limit, gates, data):
+    """Any mix of all_pages and trailing pools, target and draft role, active or not: the hit (and
+    the draft prefix) is the largest the rule allows, found by trying every length."""
+    fakes, prefix, stored = [], {}, {}
+    for i, (role, trailing, window, active) in enumerate(pools):
+        f = _Fake(f"p{i}", role, HitPolicy.TRAILING_PAGES if trailing else HitPolicy.ALL_PAGES, window)
+        f.active = active
+        fakes.append(f)
+        prefix[f.name] = data.draw(st.integers(0, 14))
+        stored[f.name] = set(data.draw(st.lists(st.integers(0, 13), max_size=10)))
+
+    got = usable_hit(fakes, prefix, stored_windows(stored), limit=limit, draft_gates=gates, probes=limit + 2)
+    drafts = [f for f in fakes if f.spec.role is PoolKind.DRAFT]
+    if gates:
+        want = _brute_hit(fakes, prefix, stored, limit)
+        assert (got.pages, got.draft_pages) == (want, want if any(f.active for f in drafts) else 0)
+    else:
+        want = _brute_hit([f for f in fakes if f.spec.role is not PoolKind.DRAFT], prefix, stored, limit)
+        assert got.pages == want
+        if any(f.active for f in drafts):
+            assert got.draft_pages == _brute_hit(drafts, prefix, stored, want)
+    for f in fakes:
+        if f.active and (gates or f.spec.role is not PoolKind.DRAFT) and f.spec.hit_policy is HitPolicy.ALL_PAGES:
+            assert got.boundaries[f.name] == min(limit, prefix[f.name])
 
 
 # -- the controller over every pool, on a store ------------------------------------------------------

@@ -91,6 +91,10 @@ _HAS_RESTORABLE = "restorable_prefix_pages" in _RESULT_FIELDS
 _POOL_NAMES: dict[str, Any] = {m.value: m for m in PoolName}  # a pool's name -> SGLang's PoolName
 _F = TypeVar("_F", bound=Callable[..., Any])
 _KEY_CACHE = 1 << 15
+# members an existence query asks for, as module names (an Enum member looked up on its class
+# costs a Python-level attribute hook each time)
+_KV, _DRAFT = PoolKind.KV, PoolKind.DRAFT
+_ALL_PAGES, _TRAILING_PAGES = HitPolicy.ALL_PAGES, HitPolicy.TRAILING_PAGES
 
 
 def transfer_result(kv_hit_pages: int, extra_pool_hit_pages: dict[Any, int], restorable: list[int]) -> Any:
@@ -123,6 +127,11 @@ def _never_raise(default: Callable[..., Any]) -> Callable[[_F], _F]:
         return guarded  # type: ignore[return-value]
 
     return wrap
+
+
+def _no_window(binding: PoolBinding, end: int) -> int:
+    """``usable_hit``'s ``window_stored`` for a query without trailing pools (never asked)."""
+    return 0
 
 
 def _n_keys(args: tuple[Any, ...], kwargs: dict[str, Any], name: str = "keys") -> int:
@@ -203,13 +212,14 @@ def split_generic_keys(keys: Sequence[str]) -> tuple[list[str], list[str]]:
 
 class _Hashes:
     """One call's SGLang page hashes, with their page groups (:func:`page_groups`) made at most
-    once, when a pool first needs them."""
+    once, when a pool first needs them, and the storage keys found for them so far, per pool."""
 
-    __slots__ = ("_groups", "hashes")
+    __slots__ = ("_groups", "found", "hashes")
 
     def __init__(self, hashes: Sequence[str], groups: Sequence[str] | None = None) -> None:
         self.hashes = hashes
         self._groups = groups
+        self.found: dict[str, Sequence[str] | None] = {}  # per pool: its remembered keys, or None
 
     @property
     def groups(self) -> Sequence[str]:
@@ -454,22 +464,39 @@ class HiCacheDraftStorage(HiCacheStorage):
 
     def _hash_keys(self, binding: PoolBinding, hashes: _Hashes, remember: bool = True) -> Sequence[str]:
         """``binding.keys(hashes.groups)``, remembered per SGLang hash for one-part pools (up to
-        :data:`_KEY_CACHE` hashes) by the calls that move pages (``remember``), so that the hit
-        query for pages this server stored or restored is one lookup of the whole batch."""
+        :data:`_KEY_CACHE` hashes) by the calls that move pages (``remember``; hashes without a
+        ``"."``, so a remembered hash is never one of the generic ``{hash}.{pool}`` keys), so that
+        the hit query for pages this server stored or restored is one lookup of the whole batch."""
         if binding.split != 1:
             return binding.keys(hashes.groups)
-        cache = self.key_caches.setdefault(binding.name, {})
-        h = hashes.hashes
-        try:
-            return operator.itemgetter(*h)(cache) if len(h) > 1 else [cache[h[0]]]
-        except (KeyError, TypeError, IndexError):
-            pass
+        known = self._recall(binding, hashes)
+        if known is not None:
+            return known
         keys = binding.keys(hashes.groups)
-        if remember:
+        if remember and "." not in "".join(hashes.hashes):
+            cache = self.key_caches.setdefault(binding.name, {})
             if len(cache) + len(keys) > _KEY_CACHE:
                 cache.clear()
             cache.update(zip(hashes.hashes, keys, strict=True))
         return keys
+
+    def _recall(self, binding: PoolBinding, hashes: _Hashes) -> Sequence[str] | None:
+        """The remembered storage keys of ``hashes`` in ``binding``'s one-part pool, when every
+        one is remembered (one lookup of the whole batch, kept in ``hashes.found``), else None."""
+        found = hashes.found
+        if binding.name in found:
+            return found[binding.name]
+        cache = self.key_caches.get(binding.name)
+        h = hashes.hashes
+        got: Sequence[str] | None = None
+        if cache and h and binding.split == 1:
+            try:
+                if h[0] in cache:  # a batch never seen misses here, without raising
+                    got = operator.itemgetter(*h)(cache) if len(h) > 1 else [cache[h[0]]]
+            except (KeyError, TypeError):
+                got = None
+        found[binding.name] = got
+        return got
 
     # -- zero-copy v1 (target pages by host index) -----------------------------------------------
     @_never_raise(_all_false)
@@ -517,10 +544,10 @@ class HiCacheDraftStorage(HiCacheStorage):
         binding, or None for a pool not held; the trailing window SGLang asks for, or None for
         ALL_PAGES), with each pool's own boundary. A pool not held gives no hit: its pages could
         not be restored. One existence query covers every ALL_PAGES pool."""
-        kv = self.bindings.get(PoolKind.KV)
+        kv = self.bindings.get(_KV)
         if kv is None or not kv.active:
             return 0, {}
-        keys = hashes.hashes
+        n = len(hashes.hashes)
         windows: dict[str, int] = {}
         held = [kv]
         missing = False
@@ -529,17 +556,27 @@ class HiCacheDraftStorage(HiCacheStorage):
                 missing = True
                 continue
             held.append(b)
-            if b.spec.hit_policy is HitPolicy.TRAILING_PAGES:  # SGLang's all_pages: the whole prefix
-                windows[b.name] = window if window is not None else len(keys)
-        every = [b for b in held if b.spec.hit_policy is HitPolicy.ALL_PAGES] if pools else held
-        counts = self.store.page_exists({b.name: self._hash_keys(b, hashes, False) for b in every})
-        prefix = {b.name: counts.get(b.name, 0) // b.split for b in every}
-        hit = usable_hit(held, prefix, self._window_query(keys, windows), limit=len(keys), windows=windows)
+            if b.spec.hit_policy is _TRAILING_PAGES:  # SGLang's all_pages: the whole prefix
+                windows[b.name] = window if window is not None else n
+        # one existence query covers every all_pages pool (plain loops: SGLang asks per request)
+        query: dict[str, Sequence[str]] = {}
+        for b in held:
+            if b is kv or b.spec.hit_policy is _ALL_PAGES:
+                query[b.name] = self._hash_keys(b, hashes, False)
+        counts = self.store.page_exists(query)
+        prefix: dict[str, int] = {}
+        for b in held:
+            if b.name in query:
+                prefix[b.name] = counts.get(b.name, 0) // b.split
+        hit = usable_hit(held, prefix, self._window_query(hashes.hashes, windows) if windows else _no_window,
+                         limit=n, windows=windows)
         if not pools:
             return hit.pages, hit.boundaries
         # as SGLang reports them: each pool's boundary within the target's stored prefix
         kv_pages = hit.boundaries.get(kv.name, 0)
-        bounds = {name: n if n < kv_pages else kv_pages for name, n in hit.boundaries.items()}
+        bounds: dict[str, int] = {}
+        for name, pages in hit.boundaries.items():
+            bounds[name] = pages if pages < kv_pages else kv_pages
         return (0 if missing else hit.pages), bounds
 
     def _window_query(self, keys: Sequence[str], windows: dict[str, int]) -> Callable[[PoolBinding, int], int]:
@@ -562,11 +599,11 @@ class HiCacheDraftStorage(HiCacheStorage):
         we do not hold gives no hit (its pages could not be restored)."""
         pools: list[tuple[PoolBinding | None, int | None]] = []
         trailing = False
-        for t in pool_transfers or []:
+        for t in pool_transfers or ():
             policy = str(getattr(t.hit_policy, "value", t.hit_policy))
             if policy == "block_groups":
                 continue  # such a pool reports its own verdict and never gates the KV hit
-            window = max(1, len(t.keys or ())) if policy == HitPolicy.TRAILING_PAGES else None
+            window = max(1, len(t.keys or ())) if policy == _TRAILING_PAGES else None
             trailing = trailing or window is not None
             binding = self._binding(t.name)
             if binding is None:
@@ -574,7 +611,10 @@ class HiCacheDraftStorage(HiCacheStorage):
                                 "restorable with it: no hit", str(t.name))
             pools.append((binding, window))
         final, bounds = self._hit(_Hashes(keys), pools)
-        hit_count = {_POOL_NAMES.get(name, name): pages for name, pages in bounds.items() if pages}
+        hit_count: dict[Any, int] = {}
+        for name, pages in bounds.items():
+            if pages:
+                hit_count[_POOL_NAMES.get(name, name)] = pages
         # every all_pages prefix up to the hit is restorable; with trailing pools only the hit
         # itself was checked (a window below it may be missing), so only it is reported
         restorable = [final] if final and trailing else list(range(1, final + 1))
@@ -589,11 +629,16 @@ class HiCacheDraftStorage(HiCacheStorage):
         draft prefix, so no restored prefix keeps stale draft KV."""
         if not keys:
             return 0
-        draft = self.bindings.get(PoolKind.DRAFT)
+        draft = self.bindings.get(_DRAFT)
         legacy = self._legacy_draft if draft is not None else None
         target = [(legacy, None)] if legacy else []
+        hashes = _Hashes(keys)
+        kv = self.bindings.get(_KV)
+        if kv is not None and self._recall(kv, hashes) is not None:  # hashes this server moved: no "." in any
+            return self._hit(hashes, target)[0]
         if _native.lower_hex(keys):  # SGLang's hit query: target page hashes, each its own group
-            return self._hit(_Hashes(keys, keys), target)[0]
+            hashes._groups = keys
+            return self._hit(hashes, target)[0]
         try:
             joined = "".join(keys)
         except TypeError:

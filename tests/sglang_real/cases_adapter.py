@@ -317,6 +317,10 @@ def test_remembered_keys_never_answer_for_another_pool_or_a_suffixed_key(backend
     hit = adapter.batch_exists_v2(keys, [draft_transfer(None, None)])
     assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (0, {PoolName.KV: 3})
     assert adapter.batch_exists([k.upper() for k in keys]) == 3  # SGLang hashes are case-free hex
+    dotted = [f"{k}.draft" for k in hashes(2, salt=22)]  # target pages moved under dotted names
+    assert adapter.batch_set_v1(dotted, indices([0, 4])) == [True] * 2
+    assert not set(dotted) & set(adapter.key_caches[PoolKind.KV])  # so never answered as target pages
+    assert adapter.batch_exists(dotted) == 0  # "{hash}.draft" asks the draft pool, which has none of them
 
 
 @pytest.mark.parametrize("interface_v1", [True, False], ids=["v1", "generic"])

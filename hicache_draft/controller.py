@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +40,7 @@ from hicache_draft.metrics import Metrics, config_observers
 from hicache_draft.paths import plan_paths, plan_pools
 from hicache_draft.pools import Allocator, HostPool
 from hicache_draft.store import CallReport, Store
+from hicache_draft.workers import Workers
 
 log = logging.getLogger("hicache_draft.controller")
 
@@ -98,6 +99,7 @@ class Operation:
         self.in_flight: list[int] = []  # zero-copy slots of the call in flight (prefetch)
         self._pending_io: list[Future[Any]] = []
         self._lock = threading.Lock()
+        self._claimed = False  # under _lock: a thread runs it, or close() answered it unrun
 
     def cancel(self) -> None:
         """Stop after the batch in flight (whose data is then not published); :meth:`result`
@@ -195,7 +197,11 @@ class CacheController:
                 )
         self._held: list[tuple[Future[Any], tuple[int, ...]]] = []
         self._held_lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-draft-ctl")
+        # background operations: daemon threads a forked child starts anew (hicache_draft.workers);
+        # an operation takes milliseconds, so an idle thread sleeps at once (no polling)
+        self._workers = Workers(2, "hicache-draft-ctl", spin_s=0.0)
+        self._ops: dict[Operation, None] = {}  # queued or running, in submission order
+        self._ops_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_pending)
 
     @classmethod
@@ -563,6 +569,10 @@ class CacheController:
             return op
 
         def run() -> None:
+            with op._lock:
+                if op._claimed:  # answered unrun by close()
+                    return
+                op._claimed = True
             try:
                 op.future.set_result(fn(*args, _op=op))
             except BaseException as exc:  # never into the caller's loop: log and return the partial result
@@ -570,8 +580,18 @@ class CacheController:
                 op.future.set_result(op.partial)
             finally:
                 self._slots.release()
+                with self._ops_lock:
+                    self._ops.pop(op, None)
 
-        self._executor.submit(run)
+        with self._ops_lock:
+            self._ops[op] = None
+        try:
+            self._workers.submit(run, {}, time.monotonic() + bound_s)
+        except RuntimeError:  # closed
+            with self._ops_lock:
+                self._ops.pop(op, None)
+            self._slots.release()
+            raise
         return op
 
     def _bound_s(self, pages: int) -> float:
@@ -636,8 +656,23 @@ class CacheController:
         return res
 
     def close(self) -> None:
-        """Stop background work and close the store."""
-        self._executor.shutdown(wait=True, cancel_futures=False)
+        """Let queued and running background operations finish, waiting for each in turn at
+        most its own bound (:meth:`collect`), then close the store. An operation that had not
+        started by then never will: it is answered with its empty result (a backup's
+        ``dropped`` set)."""
+        with self._ops_lock:
+            ops = list(self._ops)
+        for op in ops:
+            with contextlib.suppress(FutureTimeout):
+                op.future.result(timeout=op.bound_s)
+        self._workers.shutdown()
+        for op in ops:
+            with op._lock:
+                unrun, op._claimed = not op._claimed, True
+            if unrun:
+                if isinstance(op.partial, BackupResult):
+                    op.partial.dropped = True
+                op.future.set_result(op.partial)
         self.store.close()
 
     def __enter__(self) -> CacheController:

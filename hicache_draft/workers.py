@@ -6,7 +6,7 @@ Why not a ``ThreadPoolExecutor``:
 * **Exit.** An executor's threads are joined when the interpreter exits, so one backend call that
   hangs (a frozen Mooncake master, a dead NFS server) hangs the process's exit with it, long after
   its caller gave up. These threads are daemons; at exit, :func:`_drain_at_exit` waits for the
-  calls still running only until each one's own deadline.
+  calls not yet returned only until each one's own deadline.
 * **Abandoned calls never start late.** A call whose caller gave up before a thread took it is
   dropped, never run: an abandoned ``page_get`` must not write into host slots after the fact.
 * **A forked child** gets fresh threads (an executor copied by ``fork`` has none and queues forever).
@@ -96,6 +96,7 @@ class Workers:
         self._queued = memoryview(self._count).cast("q")  # without the GIL; changed under _lock
         self._ring = bytearray(8)  # bumped by each waiting caller once it has let go of the GIL
         self._running: set[Job] = set()
+        self._pending: set[Job] = set()  # submitted, not yet returned or dropped
 
     def submit(
         self, fn: Callable[..., Any], kwargs: Mapping[str, Any], deadline: float,
@@ -108,6 +109,7 @@ class Workers:
             if self._closed:
                 raise RuntimeError(f"{self.name}: the workers are shut down")
             self._queued[0] += 1
+            self._pending.add(job)
             start = self._queued[0] > self._waiting and self._threads < self.size
             if start:
                 self._threads += 1
@@ -134,6 +136,7 @@ class Workers:
                     return
                 self._queued[0] -= 1
                 if job.state == _DROPPED:
+                    self._pending.discard(job)
                     self._waiting += 1
                     continue
                 job.state = _RUNNING
@@ -142,6 +145,7 @@ class Workers:
             with self._lock:
                 job.state = _FINISHED
                 self._running.discard(job)
+                self._pending.discard(job)
                 released = job._released
                 self._waiting += 1
             if released is not None:
@@ -170,6 +174,7 @@ class Workers:
                 return True, DONE
             if job.state == _QUEUED:
                 job.state = _DROPPED
+                self._pending.discard(job)
                 return False, DONE
             if job._released is None:
                 job._released = Future()
@@ -195,6 +200,7 @@ class Workers:
                     if job.state != _QUEUED:
                         continue
                     job.state = _DROPPED
+                    self._pending.discard(job)
                 job.error = RuntimeError(f"{self.name}: shut down before the call started")
                 dropped.append(job)
         for job in dropped:
@@ -207,6 +213,15 @@ class Workers:
         with self._lock:
             return list(self._running)
 
+    def drain(self) -> None:
+        """Wait for every call submitted so far and not dropped (queued or running) to return,
+        each until its own deadline, no longer."""
+        with self._lock:
+            pending = sorted(self._pending, key=lambda j: j.deadline)
+        for job in pending:
+            if job._finished.acquire(timeout=max(0.0, job.deadline - time.monotonic())):
+                job._finished.release()
+
 
 _LIVE: weakref.WeakSet[Workers] = weakref.WeakSet()
 
@@ -217,12 +232,10 @@ def _after_fork_in_child() -> None:
 
 
 def _drain_at_exit() -> None:
-    """At interpreter exit, wait for calls still running, each until its own deadline, no longer:
-    a call that hangs past it is abandoned with the process (its thread is a daemon)."""
+    """At interpreter exit, wait for the calls not yet returned, each until its own deadline, no
+    longer: a call that hangs past it is abandoned with the process (its thread is a daemon)."""
     for w in list(_LIVE):
-        for job in w.running():
-            if job._finished.acquire(timeout=max(0.0, job.deadline - time.monotonic())):
-                job._finished.release()
+        w.drain()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

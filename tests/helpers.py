@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +113,22 @@ class _NoTorch:
 sys.meta_path.insert(0, _NoTorch())
 """
 """Prepend to a ``python -c`` script: any import of torch then raises ImportError."""
+
+
+def in_forked_child(body: Callable[[], bool]) -> int:
+    """Run ``body`` in a forked child that never returns into pytest; its verdict as a code: 0 when
+    it returned True, 3 when False, 4 when it raised."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 4
+        try:
+            code = 0 if body() else 3
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return got[0] if got else 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from typing import ClassVar
@@ -13,7 +14,7 @@ from hicache_draft.cli import check_report
 from hicache_draft.config import PrefetchPolicy
 from hicache_draft.plugins import register_backend, unregister_backend
 from hicache_draft.testing import Faults, MemoryBackend
-from tests.helpers import PS, fill_random, make_config, make_controller, make_pair, slots, tokens
+from tests.helpers import PS, fill_random, in_forked_child, make_config, make_controller, make_pair, slots, tokens
 
 KV, DRAFT = PoolKind.KV, PoolKind.DRAFT
 ALL_LAYOUTS = frozenset(Layout)
@@ -403,3 +404,51 @@ def test_timed_out_backup_keeps_slots_until_the_backend_lets_go():
     assert not op.wait_released(timeout=0.01)
     assert op.wait_released(timeout=5.0)
     writer.close()
+
+
+# -- background operations: close and fork ---------------------------------------------------------------
+def test_close_lets_queued_background_backups_finish():
+    """Five backups queued behind two threads, each call slowed: close() returns once every one
+    has written its pages (none is dropped while it could still run)."""
+    writer, reader = _pair(make_config())
+    MemoryBackend.faults = Faults(delay_s={"page_set": 0.05})
+    ops = [writer.backup_async(tokens(2, seed=i), slots(range(2 * i, 2 * i + 2))) for i in range(5)]
+    writer.close()
+    assert all(op.done() for op in ops)
+    assert [op.result().pages_written for op in ops] == [{KV: 2, DRAFT: 2}] * 5
+    MemoryBackend.faults = Faults()
+    assert [reader.prefetch(tokens(2, seed=i), slots(range(12, 14))).pages for i in range(5)] == [2] * 5
+    reader.close()
+
+
+def test_close_answers_a_backup_that_never_started_as_dropped():
+    """A backup stuck behind operations that outlive their bounds never starts: close() answers it
+    (dropped, nothing written) instead of leaving its waiter hanging."""
+    writer, _ = _pair(make_config(timeout_s=1.0))
+    MemoryBackend.faults = Faults(delay_s={"page_set": 3.0})
+    first = [writer.backup_async(tokens(2, seed=i), slots(range(2 * i, 2 * i + 2))) for i in range(2)]
+    for op in first:  # both threads busy until their calls give up (1 s), past these bounds
+        op.bound_s = 0.05
+    late = writer.backup_async(tokens(2, seed=9), slots(range(10, 12)))
+    late.bound_s = 0.05  # close() waits for each at most its bound
+    t0 = time.monotonic()
+    writer.close()
+    assert time.monotonic() - t0 < 2.9
+    res = late.result(timeout=0)
+    assert res.dropped and res.pages == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_a_forked_child_runs_background_operations():
+    """The parent ran a background backup (its threads exist there only); the child's backup still
+    runs (a ThreadPoolExecutor copied by fork believed its threads were there and never ran it)."""
+    writer, _ = _pair(make_config())
+    assert writer.backup_async(tokens(2), slots(range(2))).result(timeout=5).pages_written == {KV: 2, DRAFT: 2}
+
+    def child() -> bool:
+        return writer.backup_async(tokens(2, seed=7), slots(range(2, 4))).future.result(timeout=5).pages_written \
+            == {KV: 2, DRAFT: 2}
+
+    code = in_forked_child(child)
+    writer.close()
+    assert code == 0, f"the child's background backup did not run (code {code})"

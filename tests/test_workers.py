@@ -23,6 +23,7 @@ import pytest
 from hicache_draft import BackendContext, Buffer, Page, PageResult, PageTransfer, PoolKind, Store, _native
 from hicache_draft.testing import Faults, MemoryBackend
 from hicache_draft.workers import DONE, Workers
+from tests.helpers import in_forked_child
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,24 +130,14 @@ def test_a_forked_child_calls_on_threads_of_its_own():
     store = _store(timeout_s=3.0)
     try:
         store.page_exists({KV: ["a"]})
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: answer through the pipe, never return into pytest
-            code = 1
-            try:
-                MemoryBackend.calls.clear()
-                t0 = time.monotonic()
-                store.page_exists({KV: ["a"]})
-                ran = [c for c, _ in MemoryBackend.calls] == ["page_exists"]
-                code = 0 if ran and time.monotonic() - t0 < 2.5 else 3
-            finally:
-                os.write(w, bytes([code]))
-                os._exit(0)
-        os.close(w)
-        got = os.read(r, 1)
-        os.close(r)
-        os.waitpid(pid, 0)
-        assert got == b"\x00", f"the child's call did not run on a worker (code {got!r})"
+        def child() -> bool:
+            MemoryBackend.calls.clear()
+            t0 = time.monotonic()
+            store.page_exists({KV: ["a"]})
+            return [c for c, _ in MemoryBackend.calls] == ["page_exists"] and time.monotonic() - t0 < 2.5
+
+        code = in_forked_child(child)
+        assert code == 0, f"the child's call did not run on a worker (code {code})"
     finally:
         store.close()
 
@@ -328,5 +319,31 @@ def test_a_call_longer_than_the_poll_is_waited_for_on_the_lock():
         job = w.submit(lambda: (time.sleep(0.5), "later")[1], {}, time.monotonic() + 30)
         returned, released = w.wait(job, time.monotonic() + 0.1)  # gives up, then released on return
         assert not returned and released.result(timeout=5) is None and job.value == "later"
+    finally:
+        w.shutdown()
+
+
+def test_drain_waits_for_queued_and_running_calls_each_until_its_deadline():
+    """What close() of a controller and the interpreter's exit wait for: every call not yet
+    returned, the queued ones too, but none past its own deadline."""
+    w = Workers(1, "drain-probe", spin_s=0.0)
+    ran: list[int] = []
+
+    def slow(x: int) -> None:
+        time.sleep(0.2)
+        ran.append(x)
+
+    try:
+        now = time.monotonic()
+        w.submit(slow, {"x": 1}, now + 5)
+        w.submit(slow, {"x": 2}, now + 5)  # queued behind the first on the only thread
+        w.drain()
+        assert ran == [1, 2]
+        hung = threading.Event()
+        w.submit(hung.wait, {"timeout": 10}, time.monotonic() + 0.3)
+        t0 = time.monotonic()
+        w.drain()
+        assert 0.25 < time.monotonic() - t0 < 2.0
+        hung.set()
     finally:
         w.shutdown()

@@ -83,6 +83,10 @@ def _prepare(layout: RootLayout, root_fd: int, read_only: bool) -> RootDirs:
         return dirs
     try:
         if "FORMAT" not in entries:
+            # a new store: its fan-out directories now, so no write pays for making one
+            for d in layout.fanout_dirs():
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(d.name, 0o755, dir_fd=dirs.seg)
             tmp = f"FORMAT.{secrets.token_hex(4)}"
             _write_new(dirs.tmp, tmp, FORMAT_LINE.encode("ascii"))
             os.rename(tmp, "FORMAT", src_dir_fd=dirs.tmp, dst_dir_fd=root_fd)

@@ -254,3 +254,26 @@ def test_segments_in_memory_are_not_preallocated(open_store, kit, tmp_path: Path
     on_disk = open_store(tmp_path / "disk")  # preallocated exactly when not in memory
     on_disk.page_set(kit.both(groups, 4096))
     assert len(calls) == (on_disk.backend.memory_fs is None)
+
+
+def test_a_new_root_has_every_fan_out_directory_so_no_write_makes_one(tmp_path, monkeypatch):
+    """A new store's fan-out directories are made with it; writing segments then makes none (a
+    ``mkdir`` costs a write a few hundred microseconds on some filesystems)."""
+    from hicache_draft_file.naming import FANOUT, fanout_dir
+
+    dirs = prepare_root(tmp_path / "s", create=True, read_only=False)
+    try:
+        assert sorted(p.name for p in (tmp_path / "s" / "seg").iterdir()) == [f"{i:02x}" for i in range(FANOUT)]
+        made: list[str] = []
+        real = os.mkdir
+        monkeypatch.setattr(os, "mkdir", lambda *a, **k: made.append(str(a[0])) or real(*a, **k))
+        items, _keep = _pages([64, 80, 96], split=False)
+        for n in range(40):  # segments spread over the fan-out by name
+            name = f"{n:016x}-{n:08x}"
+            ws = segment_writer.write_segment(dirs, name, items, fsync=False)
+            with dirs.fan(fanout_dir(name)) as d:
+                os.rename(ws.tmp_name, name, src_dir_fd=dirs.tmp, dst_dir_fd=d)
+            os.close(ws.fd)
+        assert made == []
+    finally:
+        dirs.close()

@@ -69,6 +69,24 @@ def page_names_ok(key: object, group: object) -> bool:
     )
 
 
+_KEYS_RE = re.compile(r"(?:[0-9a-f]{1,128}\.[0-9a-f]{1,126}\n)*[0-9a-f]{1,128}\.[0-9a-f]{1,126}")
+_GROUPS_RE = re.compile(r"(?:[0-9a-f]{1,128}\n)*[0-9a-f]{1,128}")
+
+
+def all_names_ok(keys: list[str], groups: list[str]) -> bool:
+    """Whether every key and group is valid (:func:`page_names_ok` of each), in one compiled pass
+    over each list joined by newlines (no valid name holds one, and a name that does shows as a
+    line too many); False for an empty list or any that is not a str: check those one by one."""
+    try:
+        k, g = "\n".join(keys), "\n".join(groups)
+    except TypeError:
+        return False
+    return (
+        bool(keys) and k.count("\n") == len(keys) - 1 and g.count("\n") == len(groups) - 1
+        and _KEYS_RE.fullmatch(k) is not None and _GROUPS_RE.fullmatch(g) is not None
+    )
+
+
 def is_segment_name(name: str) -> bool:
     """Whether ``name`` (without suffix) is a segment name this backend makes."""
     return _SEG_RE.fullmatch(name) is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import os
 from array import array
 from collections.abc import Callable, Sequence
@@ -148,12 +149,10 @@ def _record_buffers(items: Sequence[tuple[str, Page]]) -> list[Buffer | memoryvi
 def _index_of(items: Sequence[tuple[str, Page]]) -> SegmentIndex:
     """The index of a segment holding ``items`` in order from offset 0 (``size`` is set once the
     footer is made)."""
-    lengths = array("Q", [sum(b.nbytes for b in page.buffers) for _pool, page in items])
-    offsets = array("Q", bytes(8 * len(items)))
-    at = 0
-    for i, n in enumerate(lengths):
-        offsets[i] = at
-        at += HEADER_SIZE + n
+    lengths = array("Q", [page.nbytes for _pool, page in items])
+    ends = list(itertools.accumulate(lengths, lambda at, n: at + HEADER_SIZE + n, initial=0))
+    at = ends.pop()
+    offsets = array("Q", ends)
     names, codes = pool_table(pool for pool, _page in items)
     return SegmentIndex(
         size=0,

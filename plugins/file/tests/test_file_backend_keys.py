@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from hicache_draft_file.naming import (
+    all_names_ok,
     fanout_dir,
     group_problem,
     is_segment_name,
@@ -65,6 +66,33 @@ _names = st.one_of(st.text(max_size=300), st.text("0123456789abcdef.", max_size=
 @settings(max_examples=300, deadline=None)
 def test_the_fast_name_check_agrees_with_the_explained_one(key: object, group: object) -> None:
     assert page_names_ok(key, group) is (key_problem(key) is None and group_problem(group) is None)
+
+
+_hexish = st.text("0123456789abcdef.\n", min_size=1, max_size=140)
+_valid_key = st.builds(lambda a, b: f"{a}.{b}", st.text("0123456789abcdef", min_size=1, max_size=128),
+                       st.text("0123456789abcdef", min_size=1, max_size=126))
+_joined = st.lists(_valid_key, min_size=2, max_size=3).map("\n".join)  # reads as several valid keys
+_batch_name = st.one_of(_valid_key, _joined, _hexish, _names)
+
+
+_group = st.text("0123456789abcdef", min_size=1, max_size=128)
+
+
+@given(st.lists(st.tuples(_batch_name, st.one_of(_group, _group.map(lambda g: f"{g}\n{g}"), _hexish, _names)),
+                max_size=6))
+@settings(max_examples=400, deadline=None)
+def test_the_whole_batch_name_check_never_passes_a_bad_name(pairs: list[tuple[object, object]]) -> None:
+    """A batch passes the one-pass check only when every key and group passes one by one: a name
+    holding a newline (joined, it would read as two valid ones) or a non-str one fails it."""
+    keys, groups = [k for k, _ in pairs], [g for _, g in pairs]
+    each = bool(pairs) and all(page_names_ok(k, g) for k, g in pairs)
+    assert all_names_ok(keys, groups) is each  # type: ignore[arg-type]
+
+
+def test_a_key_with_a_newline_fails_the_batch_check() -> None:
+    assert all_names_ok(["aa.bb", "cc.dd"], ["aa", "cc"])
+    assert not all_names_ok(["aa.bb\ncc.dd"], ["aa"])
+    assert not all_names_ok(["aa.bb"], ["aa\ncc"])
 
 
 @given(st.text(alphabet="0123456789abcdef", min_size=16, max_size=16), st.integers(0, 2**40))

@@ -218,7 +218,8 @@ class CacheController:
         ctx = BackendContext(
             tp_rank=config.parallel.tp_rank, tp_size=config.parallel.tp_size, timeout_s=config.timeout_s
         )
-        store = Store.open(config.backend, config.backend_options, ctx, [*observers, *config_observers(config)])
+        store = Store.open(config.backend, config.backend_options, ctx, [*observers, *config_observers(config)],
+                           poll_s=config.handover_poll_us * 1e-6)
         try:
             return cls(config, store, num_pages, allocator=allocator, process_group=process_group)
         except BaseException:

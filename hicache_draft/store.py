@@ -62,7 +62,7 @@ from hicache_draft.transfer import (
     PoolRegistration,
 )
 from hicache_draft.workers import DONE as _DONE
-from hicache_draft.workers import Job, Workers
+from hicache_draft.workers import SPIN_S, Job, Workers
 
 log = logging.getLogger("hicache_draft.store")
 
@@ -113,6 +113,7 @@ class Store:
         options: Mapping[str, Any] | BaseModel | None = None,
         context: BackendContext | None = None,
         observers: Iterable[object] = (),
+        poll_s: float = SPIN_S,
     ) -> None:
         self.name = name
         self.capabilities = capabilities
@@ -135,7 +136,7 @@ class Store:
             raise PluginError(f"backend {name!r}: {exc}") from None
         self._observed = bool(self.pm.hook.call_done.get_hookimpls())
         self._hears_rejections = bool(self.pm.hook.page_rejected.get_hookimpls())
-        self._workers = Workers(4, f"hicache-draft-{name}")
+        self._workers = Workers(4, f"hicache-draft-{name}", spin_s=poll_s)
         weakref.finalize(self, self._workers.shutdown)  # an unclosed store's idle threads end with it
         self._lock = threading.Lock()
         self._logged: set[str] = set()
@@ -149,11 +150,14 @@ class Store:
         options: Mapping[str, Any] | BaseModel | None = None,
         context: BackendContext | None = None,
         observers: Iterable[object] = (),
+        poll_s: float = SPIN_S,
     ) -> Store:
-        """Discover the backend called ``name`` (``None``: the installed default), validate options and build it."""
+        """Discover the backend called ``name`` (``None``: the installed default), validate options and
+        build it. ``poll_s``: how long a caller polls for a call's result, and an idle worker thread
+        for the next call, before sleeping (:data:`hicache_draft.workers.SPIN_S`; 0: at once)."""
         info = get_backend(name)
         assert info.cls is not None and info.capabilities is not None
-        return cls(info.name, info.cls, info.capabilities, options, context, observers)
+        return cls(info.name, info.cls, info.capabilities, options, context, observers, poll_s)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _log_once(self, what: str, msg: str, *args: object) -> None:

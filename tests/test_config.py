@@ -59,6 +59,8 @@ def test_json_file_and_env_override(tmp_path):
         ({"draft": {"enabled": True, "attention": "mla", "latent_dim": 4}, "namespace": {"model": "m"}},
          None, "draft_model is required"),
         ({"bogus": 1}, "bogus", "Extra inputs are not permitted"),
+        ({"handover_poll_us": -1}, "handover_poll_us", "greater than or equal to 0"),
+        ({"handover_poll_us": 20_000}, "handover_poll_us", "less than or equal to 10000"),
         ({"parallel": {"tp_size": 2, "tp_lcm_size": 4}, "target": {"attention": "mha", "kv_heads": 3, "head_dim": 8}},
          None, "not divisible by the split factor"),
     ],

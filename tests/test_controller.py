@@ -12,6 +12,7 @@ import pytest
 from hicache_draft import Attention, Capabilities, IOPath, Layout, PoolCapability, PoolKind
 from hicache_draft.cli import check_report
 from hicache_draft.config import PrefetchPolicy
+from hicache_draft.controller import CacheController
 from hicache_draft.plugins import register_backend, unregister_backend
 from hicache_draft.testing import Faults, MemoryBackend
 from tests.helpers import PS, fill_random, in_forked_child, make_config, make_controller, make_pair, slots, tokens
@@ -452,3 +453,24 @@ def test_a_forked_child_runs_background_operations():
     code = in_forked_child(child)
     writer.close()
     assert code == 0, f"the child's background backup did not run (code {code})"
+
+
+@pytest.mark.parametrize("poll_us", [0, 100, 2500])
+def test_the_hand_over_polls_as_long_as_the_config_says(poll_us):
+    """``handover_poll_us`` reaches the store's worker threads through ``from_config`` (0: callers
+    and idle threads sleep at once), and calls still answer."""
+    register_backend("memory", MemoryBackend)
+    try:
+        cfg = make_config(handover_poll_us=poll_us, backend_options={"space": secrets.token_hex(4)})
+        writer = CacheController.from_config(cfg, num_pages=16)
+        reader = CacheController.from_config(cfg, num_pages=16)
+        try:
+            assert writer.store._workers.spin_s == pytest.approx(poll_us * 1e-6)
+            fill_random(writer)
+            writer.backup(tokens(2), slots(range(2)))
+            assert reader.prefetch(tokens(2), slots(range(4, 6))).pages == 2
+        finally:
+            writer.close()
+            reader.close()
+    finally:
+        unregister_backend("memory")

@@ -280,7 +280,8 @@ class HiCacheDraftStorage(HiCacheStorage):
         self.interface_v1 = interface_v1(extra)
         par = self.placement.parallel
         context = BackendContext(tp_rank=par.tp_rank, tp_size=par.tp_size, timeout_s=self.settings.timeout_s)
-        self.store = Store.open(self.settings.backend, self.settings.backend_options, context)
+        self.store = Store.open(self.settings.backend, self.settings.backend_options, context,
+                                poll_s=self.settings.handover_poll_us * 1e-6)
         self.bindings: dict[str, PoolBinding] = {}
         self.sources: dict[str, Any] = {}  # pool name -> the SGLang host pool it reads
         self.key_caches: dict[str, dict[str, str]] = {}  # pool name -> SGLang hash -> key

@@ -704,3 +704,15 @@ def test_pages_written_by_another_process_come_back_after_restart(tmp_path):
     for i, d in enumerate(dst):
         assert hr.page_bytes(kv, d) == hr.page_bytes(want_kv, 4 * i)
         assert hr.page_bytes(dr, d) == hr.page_bytes(want_dr, 4 * i)
+
+
+@pytest.mark.parametrize("poll_us", [0, 250])
+def test_the_settings_hand_over_polls_as_long_as_they_say(poll_us):
+    """``handover_poll_us`` in the extra-config reaches the Store's worker threads; queries answer."""
+    extra = extra_config("memory", {"space": secrets.token_hex(4)})
+    extra["hicache_draft"]["handover_poll_us"] = poll_us
+    adapter = attach(build(extra), mha(seed=1))
+    assert adapter.store._workers.spin_s == pytest.approx(poll_us * 1e-6)
+    keys = hashes(2, salt=41)
+    assert adapter.batch_set_v1(keys, indices([0, 4])) == [True, True]
+    assert adapter.batch_exists(keys) == 2

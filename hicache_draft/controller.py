@@ -21,8 +21,10 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -200,9 +202,15 @@ class CacheController:
         # background operations: daemon threads a forked child starts anew (hicache_draft.workers);
         # an operation takes milliseconds, so an idle thread sleeps at once (no polling)
         self._workers = Workers(2, "hicache-draft-ctl", spin_s=0.0)
+        self._max_pending = max_pending
+        self._fresh_ops()
+        _CONTROLLERS.add(self)
+
+    def _fresh_ops(self) -> None:
+        """Track no background operation (also in a forked child, where the parent's never run)."""
         self._ops: dict[Operation, None] = {}  # queued or running, in submission order
         self._ops_lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(max_pending)
+        self._slots = threading.BoundedSemaphore(self._max_pending)
 
     @classmethod
     def from_config(
@@ -666,11 +674,16 @@ class CacheController:
         for op in ops:
             with contextlib.suppress(FutureTimeout):
                 op.future.result(timeout=op.bound_s)
-        self._workers.shutdown()
-        for op in ops:
+        self._workers.shutdown()  # drops what has not started: answered here, never run
+        with self._ops_lock:
+            left = list(self._ops)  # running ones leave when they end; the rest never will
+        for op in left:
             with op._lock:
                 unrun, op._claimed = not op._claimed, True
             if unrun:
+                with self._ops_lock:
+                    self._ops.pop(op, None)
+                self._slots.release()
                 if isinstance(op.partial, BackupResult):
                     op.partial.dropped = True
                 op.future.set_result(op.partial)
@@ -681,3 +694,16 @@ class CacheController:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_CONTROLLERS: weakref.WeakSet[CacheController] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child tracks none of the parent's background operations (they never run there), so
+    its ``close`` does not wait for them; its own start on threads of its own (workers.py)."""
+    for ctrl in list(_CONTROLLERS):
+        ctrl._fresh_ops()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

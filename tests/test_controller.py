@@ -474,3 +474,23 @@ def test_the_hand_over_polls_as_long_as_the_config_says(poll_us):
             reader.close()
     finally:
         unregister_backend("memory")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+def test_a_forked_child_closes_without_waiting_for_the_parents_operations():
+    """A backup runs in the parent when it forks: it never runs in the child, so the child's
+    close() does not wait out its bound (timeout_s x 3 here)."""
+    writer, _ = _pair(make_config(timeout_s=1.0))
+    MemoryBackend.faults = Faults(delay_s={"page_set": 0.8})
+    op = writer.backup_async(tokens(2), slots(range(2)))
+    time.sleep(0.2)  # on its thread now, in the parent
+
+    def child() -> bool:
+        t0 = time.monotonic()
+        writer.close()
+        return time.monotonic() - t0 < 0.6
+
+    code = in_forked_child(child)
+    assert op.result(timeout=10).pages_written == {KV: 2, DRAFT: 2}
+    writer.close()
+    assert code == 0, f"the child's close waited for the parent's backup (code {code})"

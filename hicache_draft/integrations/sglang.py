@@ -356,7 +356,10 @@ class HiCacheDraftStorage(HiCacheStorage):
         return binding
 
     def _binding(self, name: Any) -> PoolBinding | None:
-        b = self.bindings.get(str(name)) if name is not None else None
+        # SGLang's PoolName is a str Enum: it finds its binding as it is; anything else by str()
+        b = self.bindings.get(name) if isinstance(name, str) else None
+        if b is None and name is not None:
+            b = self.bindings.get(str(name))
         return b if b is not None and b.active else None
 
     @property
@@ -601,7 +604,9 @@ class HiCacheDraftStorage(HiCacheStorage):
         pools: list[tuple[PoolBinding | None, int | None]] = []
         trailing = False
         for t in pool_transfers or ():
-            policy = str(getattr(t.hit_policy, "value", t.hit_policy))
+            policy = t.hit_policy  # SGLang's PoolHitPolicy is a str Enum: compared as it is
+            if not isinstance(policy, str):
+                policy = str(getattr(policy, "value", policy))
             if policy == "block_groups":
                 continue  # such a pool reports its own verdict and never gates the KV hit
             window = max(1, len(t.keys or ())) if policy == _TRAILING_PAGES else None

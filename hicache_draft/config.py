@@ -248,6 +248,15 @@ class MetricsConfig(_Strict):
         return self.prometheus_port + tp_rank if self.prometheus_port else 0
 
 
+HANDOVER_POLL_US: Any = Field(
+    default=100, ge=0, le=10_000,
+    description="microseconds a caller polls for its storage call's result, and an idle worker thread for the next "
+    "call, before sleeping (without the GIL, yielding the CPU between polls); 0: sleep at once, for hosts "
+    "short of CPU",
+)
+"""The ``handover_poll_us`` field of the config and of the SGLang adapter's settings."""
+
+
 class Config(_Strict):
     """The whole configuration (the TOML file's top level)."""
 
@@ -265,12 +274,7 @@ class Config(_Strict):
         default_factory=list, description="more pools beyond the target and draft KV ([[pools]])"
     )
     timeout_s: float = Field(default=10.0, gt=0, le=3600, description="bound on every storage call")
-    handover_poll_us: int = Field(
-        default=100, ge=0, le=10_000,
-        description="microseconds a caller polls for its storage call's result, and an idle worker thread for the next "
-        "call, before sleeping (without the GIL, yielding the CPU between polls); 0: sleep at once, for hosts "
-        "short of CPU",
-    )
+    handover_poll_us: int = HANDOVER_POLL_US
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
     prefetch_timeout_s: float = Field(default=2.0, gt=0, le=3600)
     batch_pages: int = Field(default=128, ge=1, le=4096, description="pages per batched storage call")

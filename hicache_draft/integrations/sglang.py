@@ -710,8 +710,8 @@ class HiCacheDraftStorage(HiCacheStorage):
             entry[0].flats.append(flat)
             entry[1].append(pos)
         kv = by_name.get(PoolKind.KV)
-        if kv is not None and kv[0].binding.split == 1 and "." not in "".join(keys):
-            # plain page hashes (SGLang's usual batch): their keys are remembered for the hit query
+        if kv is not None and kv[0].binding.split == 1:
+            # target pages: their keys are remembered for the hit query (plain hashes only: _hash_keys)
             job, pos_kv = kv
             job.keys = self._hash_keys(job.binding, _Hashes([keys[p] for p in pos_kv], job.groups))
         return [j for j, _ in by_name.values()], [p for _, p in by_name.values()]

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hicache_draft.capabilities import Layout
-from hicache_draft.config import KvDtype, ParallelConfig, PoolShapeConfig
+from hicache_draft.config import HANDOVER_POLL_US, KvDtype, ParallelConfig, PoolShapeConfig
 from hicache_draft.errors import ConfigError
 
 SECTION = "hicache_draft"
@@ -48,12 +48,7 @@ class AdapterSettings(BaseModel):
         default=None, min_length=1, description=f"draft weights identity; defaults to model + {DRAFT_MODEL_SUFFIX!r}"
     )
     timeout_s: float = Field(default=10.0, gt=0, le=3600, description="bound on every storage call")
-    handover_poll_us: int = Field(
-        default=100, ge=0, le=10_000,
-        description="microseconds a caller polls for its storage call's result, and an idle worker thread for the next "
-        "call, before sleeping (without the GIL, yielding the CPU between polls); 0: sleep at once, for hosts "
-        "short of CPU",
-    )
+    handover_poll_us: int = HANDOVER_POLL_US
     staging_pages: int | None = Field(
         default=None, ge=1, le=4096,
         description="pages per generic-path staging area; default: SGLang's batch (128) within 256 MiB, at least 16",

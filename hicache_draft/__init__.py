@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from hicache_draft.backend import BackendContext, NoOptions, StorageBackend
-from hicache_draft.binding import BindingPlan, PoolBinding, Staging, plan_binding, usable_hit
+from hicache_draft.binding import BindingPlan, PoolBinding, Staging, plan_binding, query_hit, usable_hit
 from hicache_draft.buffer_io import read_into, write_from
 from hicache_draft.capabilities import (
     Attention,
@@ -95,6 +95,7 @@ __all__ = [
     "Staging",
     "plan_binding",
     "plan_pools",
+    "query_hit",
     "usable_hit",
     "plan_paths",
     "PathChoice",

@@ -11,9 +11,9 @@ this module, so they cannot disagree:
   **keys**, **page building** for host slots or flat pages (zero-copy buffers, or staging copies
   on the generic path), the copy back of staged pages that came back, and the per-page result
   rule (a page is OK only if every head part is).
-* :func:`usable_hit` is the **hit rule** over any number of pools, and :func:`blocked_by` /
-  :func:`settle` say **which pool needs which** (every pool the target's ``kv``; the target every
-  pool of its own).
+* :func:`usable_hit` is the **hit rule** over any number of pools (:func:`query_hit` asks a store
+  for it), and :func:`blocked_by` / :func:`settle` say **which pool needs which** (every pool the
+  target's ``kv``; the target every pool of its own).
 
 Split heads (``tp_lcm_size > tp_size``; SGLang's ``should_split_heads``): an MHA pool whose heads
 divide by ``split = tp_lcm_size / tp_size`` stores each head group under its own key, so servers
@@ -510,8 +510,8 @@ def usable_hit(
         n, trailing, drafted = _leading(bindings, prefix, limit, limit, bounds)
         if trailing:
             n = _Windows(prefix, window_stored, limit, probes, bindings, windows).settle(trailing, n, bounds)
-        pages = max(0, n)
-        return Hit(pages, pages if drafted else 0, bounds)
+        pages = n if n > 0 else 0
+        return _new_hit(Hit, (pages, pages if drafted else 0, bounds))
     rule = _Windows(prefix, window_stored, limit, probes, bindings, windows)
     active = [b for b in bindings if b.active]
     pages = rule.settle([b for b in active if b.spec.role is not PoolKind.DRAFT], limit, bounds)
@@ -519,6 +519,56 @@ def usable_hit(
     return Hit(pages, rule.settle(draft, pages, dict(bounds)) if draft else 0, bounds)
 
 
+def query_hit(
+    exists: Callable[[dict[str, Sequence[str]]], Mapping[str, int]],
+    bindings: Sequence[PoolBinding],
+    hashes: Sequence[str],
+    keys_of: Callable[[PoolBinding, Sequence[str]], Sequence[str]],
+    *,
+    draft_gates: bool = True,
+    windows: Mapping[str, int] | None = None,
+) -> Hit:
+    """:func:`usable_hit` over a store, for the prefix ``hashes``: one existence query (``exists``:
+    a :class:`~hicache_draft.store.Store`'s ``page_exists``) for every active ``all_pages`` pool of
+    ``bindings``, then, as the rule asks, one per ``trailing_pages`` window (its last page first).
+
+    ``keys_of(binding, hashes)``: the binding's storage keys of those pages (page-major). The prefix
+    query hands it ``hashes`` itself, the same object, so a caller may keep what it already knows of
+    them; a window query hands it a new list. ``windows``: as :func:`usable_hit` (a trailing pool's
+    window for this query; else its spec's ``window_pages``). The controller and the SGLang adapter
+    both ask through here."""
+    query: dict[str, Sequence[str]] = {}
+    trailing = False
+    for b in bindings:  # plain loops: SGLang asks per request
+        if b.active:
+            if b.spec.hit_policy is _ALL_PAGES:
+                query[b.name] = keys_of(b, hashes)
+            else:
+                trailing = True
+    counts = exists(query) if query else {}
+    prefix: dict[str, int] = {}
+    for b in bindings:
+        if b.name in query:
+            prefix[b.name] = counts.get(b.name, 0) // b.split
+    window_stored = _never_asked
+    if trailing:
+
+        def window_stored(b: PoolBinding, end: int) -> int:
+            size = windows.get(b.name, b.spec.window_pages) if windows else b.spec.window_pages
+            tail = list(hashes[max(0, end - size) : end])[::-1]  # last page first
+            return exists({b.name: keys_of(b, tail)}).get(b.name, 0) // b.split
+
+    return usable_hit(bindings, prefix, window_stored, limit=len(hashes), draft_gates=draft_gates, windows=windows)
+
+
+def _never_asked(binding: PoolBinding, end: int) -> int:
+    """:func:`query_hit`'s ``window_stored`` when no ``trailing_pages`` pool is active (the rule
+    asks only those)."""
+    raise AssertionError(f"the hit rule asked the window of {binding.name!r}, which trails no window")
+
+
+# a Hit without its generated Python-level __new__ (an existence query makes one per call)
+_new_hit = tuple.__new__
 # the members the hit rule asks for per pool, as module names (an Enum member looked up on its
 # class costs a Python-level attribute hook each time, and an existence query asks many times)
 _ALL_PAGES, _TRAILING_PAGES, _DRAFT = HitPolicy.ALL_PAGES, HitPolicy.TRAILING_PAGES, PoolKind.DRAFT

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from hicache_draft.backend import BackendContext
-from hicache_draft.binding import Batch, PathChoice, PoolBinding, settle, usable_hit
+from hicache_draft.binding import Batch, PathChoice, PoolBinding, query_hit, settle
 from hicache_draft.capabilities import Component, HitPolicy, PoolKind
 from hicache_draft.config import Config, OnMiss, PrefetchPolicy
 from hicache_draft.keys import page_hashes
@@ -404,19 +404,10 @@ class CacheController:
     # -- prefetch -------------------------------------------------------------------------------------
     def _plan_hit(self, hashes: Sequence[str], n: int, shorten: bool, result: PrefetchResult) -> tuple[int, int]:
         """(pages, draft pages) the stores promise for ``hashes[:n]``: one existence query for the
-        ``all_pages`` pools, then each ``trailing_pages`` pool's window (the hit rule is
-        :func:`~hicache_draft.binding.usable_hit`)."""
+        ``all_pages`` pools, then each ``trailing_pages`` pool's window
+        (:func:`~hicache_draft.binding.query_hit`)."""
         active = [b for b in self._bindings.values() if b.active]
-        every = [b for b in active if b.spec.hit_policy is HitPolicy.ALL_PAGES]
-        counts = self.store.page_exists({b.name: b.keys(hashes[:n]) for b in every})
-        prefix = {b.name: counts.get(b.name, 0) // b.split for b in every}
-
-        def window_stored(b: PoolBinding, end: int) -> int:
-            tail = list(hashes[max(0, end - b.spec.window_pages) : end])[::-1]  # last page first
-            got = self.store.page_exists({b.name: b.keys(tail)})
-            return got.get(b.name, 0) // b.split
-
-        hit = usable_hit(active, prefix, window_stored, limit=n, draft_gates=shorten)
+        hit = query_hit(self.store.page_exists, active, hashes[:n], PoolBinding.keys, draft_gates=shorten)
         result.hit = dict(hit.boundaries)
         return hit.pages, hit.draft_pages
 

@@ -32,7 +32,7 @@ from hicache_draft import (
     unregister_backend,
     usable_hit,
 )
-from hicache_draft.binding import PoolBinding
+from hicache_draft.binding import PoolBinding, query_hit
 from hicache_draft.config import ParallelConfig
 from hicache_draft.keys import pool_identities
 from hicache_draft.paths import plan_paths
@@ -287,6 +287,77 @@ def test_the_hit_is_the_largest_prefix_every_pool_holds(pools, limit, gates, dat
     for f in fakes:
         if f.active and (gates or f.spec.role is not PoolKind.DRAFT) and f.spec.hit_policy is HitPolicy.ALL_PAGES:
             assert got.boundaries[f.name] == min(limit, prefix[f.name])
+
+
+class _KeyedFake(_Fake):
+    """A fake binding with keys: each page stored as ``split`` head parts."""
+
+    def __init__(self, name: str, role: PoolKind, policy: HitPolicy, window: int, split: int) -> None:
+        super().__init__(name, role, policy, window)
+        self.split = split
+
+    def keys(self, hashes):
+        return [f"{h}.{self.name}.{part}" for h in hashes for part in range(self.split)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pools=st.lists(st.tuples(_POOL, st.integers(1, 3)), min_size=1, max_size=4), n=st.integers(0, 12),
+       gates=st.booleans(), data=st.data())
+def test_query_hit_asks_the_store_what_the_hit_rule_needs(pools, n, gates, data):
+    """query_hit over a store holding any pages (a page counts only with every head part) gives what
+    usable_hit gives over those pages, asks the store only for active pools, and hands the prefix
+    query the caller's hashes object itself (the SGLang adapter keeps remembered keys on it)."""
+    fakes, stored_keys, full = [], set(), {}
+    for i, ((role, trailing, window, active), split) in enumerate(pools):
+        f = _KeyedFake(f"p{i}", role, HitPolicy.TRAILING_PAGES if trailing else HitPolicy.ALL_PAGES, window, split)
+        f.active = active
+        fakes.append(f)
+        parts = data.draw(st.sets(st.tuples(st.integers(0, 13), st.integers(0, split - 1)), max_size=3 * split * 5))
+        stored_keys |= {f"h{page}.{f.name}.{part}" for page, part in parts}
+        full[f.name] = {p for p in range(14) if all((p, q) in parts for q in range(split))}
+    windows = {f.name: data.draw(st.integers(1, 5)) for f in fakes if f.spec.hit_policy is HitPolicy.TRAILING_PAGES
+               and data.draw(st.booleans())}
+    hashes = [f"h{i}" for i in range(n)]
+    asked: list[str] = []
+    handed: list[bool] = []
+
+    def exists(query):
+        asked.extend(query)
+        return {name: next((i for i, k in enumerate(keys) if k not in stored_keys), len(keys))
+                for name, keys in query.items()}
+
+    def keys_of(b, hs):
+        handed.append(hs is hashes)
+        return b.keys(hs)
+
+    got = query_hit(exists, fakes, hashes, keys_of, draft_gates=gates, windows=windows or None)
+    prefix = {f.name: next((p for p in range(n) if p not in full[f.name]), n)
+              for f in fakes if f.active and f.spec.hit_policy is HitPolicy.ALL_PAGES}
+
+    def window_stored(b, end):
+        size = windows.get(b.name, b.spec.window_pages)
+        return next((j for j, p in enumerate(range(end - 1, max(-1, end - 1 - size), -1)) if p not in full[b.name]),
+                    min(size, end))
+
+    want = usable_hit(fakes, prefix, window_stored, limit=n, draft_gates=gates, windows=windows or None)
+    assert got == want
+    assert set(asked) <= {f.name for f in fakes if f.active}
+    prefix_queries = sum(f.active and f.spec.hit_policy is HitPolicy.ALL_PAGES for f in fakes)
+    assert handed[:prefix_queries] == [True] * prefix_queries
+
+
+def test_query_hit_asks_a_window_last_page_first():
+    """A window whose older pages are stored but whose last page is not ends before that page."""
+    kv = _KeyedFake("kv", PoolKind.KV, HitPolicy.ALL_PAGES, 0, 1)
+    swa = _KeyedFake("swa", PoolKind.KV, HitPolicy.TRAILING_PAGES, 2, 1)
+    stored = {f"h{p}.kv.0" for p in range(7)} | {"h4.swa.0", "h5.swa.0"}
+
+    def exists(query):
+        return {name: next((i for i, k in enumerate(keys) if k not in stored), len(keys))
+                for name, keys in query.items()}
+
+    got = query_hit(exists, [kv, swa], [f"h{i}" for i in range(7)], _KeyedFake.keys)
+    assert got.pages == 6  # page 6 has no window page; pages 5, 4 close the window of a 6-page hit
 
 
 # -- the controller over every pool, on a store ------------------------------------------------------

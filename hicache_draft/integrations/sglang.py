@@ -53,7 +53,7 @@ import torch
 
 from hicache_draft import _native
 from hicache_draft.backend import BackendContext
-from hicache_draft.binding import Batch, PoolBinding, Staging, settle, staging_pages, usable_hit
+from hicache_draft.binding import Batch, PoolBinding, Staging, query_hit, settle, staging_pages, usable_hit
 from hicache_draft.capabilities import HitPolicy, IOPath, PoolKind
 from hicache_draft.errors import ConfigError
 from hicache_draft.integrations.sglang_config import (
@@ -127,11 +127,6 @@ def _never_raise(default: Callable[..., Any]) -> Callable[[_F], _F]:
         return guarded  # type: ignore[return-value]
 
     return wrap
-
-
-def _no_window(binding: PoolBinding, end: int) -> int:
-    """``usable_hit``'s ``window_stored`` for a query without trailing pools (never asked)."""
-    return 0
 
 
 def _n_keys(args: tuple[Any, ...], kwargs: dict[str, Any], name: str = "keys") -> int:
@@ -220,6 +215,12 @@ class _Hashes:
         self.hashes = hashes
         self._groups = groups
         self.found: dict[str, Sequence[str] | None] = {}  # per pool: its remembered keys, or None
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def __getitem__(self, index: Any) -> Any:  # noqa: ANN401  (a Sequence of the hashes: query_hit slices windows)
+        return self.hashes[index]
 
     @property
     def groups(self) -> Sequence[str]:
@@ -464,13 +465,16 @@ class HiCacheDraftStorage(HiCacheStorage):
             self._warn_once(f"slot:{binding.name}", "hicache-draft: %s: %s", binding.name, exc)
             return None
         hashes = _Hashes(keys)
-        return _Job(binding=binding, groups=hashes.groups, slots=slots, keys=self._hash_keys(binding, hashes))
+        return _Job(binding=binding, groups=hashes.groups, slots=slots, keys=self._hash_keys(binding, hashes, True))
 
-    def _hash_keys(self, binding: PoolBinding, hashes: _Hashes, remember: bool = True) -> Sequence[str]:
-        """``binding.keys(hashes.groups)``, remembered per SGLang hash for one-part pools (up to
-        :data:`_KEY_CACHE` hashes) by the calls that move pages (``remember``; hashes without a
-        ``"."``, so a remembered hash is never one of the generic ``{hash}.{pool}`` keys), so that
-        the hit query for pages this server stored or restored is one lookup of the whole batch."""
+    def _hash_keys(self, binding: PoolBinding, hashes: Sequence[str], remember: bool = False) -> Sequence[str]:
+        """``binding.keys(page_groups(hashes))`` (``hashes``: a :class:`_Hashes`, or SGLang hashes),
+        remembered per SGLang hash for one-part pools (up to :data:`_KEY_CACHE` hashes) by the calls
+        that move pages (``remember``; hashes without a ``"."``, so a remembered hash is never one of
+        the generic ``{hash}.{pool}`` keys), so that the hit query for pages this server stored or
+        restored is one lookup of the whole batch. It is :func:`query_hit`'s ``keys_of``."""
+        if not isinstance(hashes, _Hashes):
+            hashes = _Hashes(hashes)
         if binding.split != 1:
             return binding.keys(hashes.groups)
         known = self._recall(binding, hashes)
@@ -562,18 +566,7 @@ class HiCacheDraftStorage(HiCacheStorage):
             held.append(b)
             if b.spec.hit_policy is _TRAILING_PAGES:  # SGLang's all_pages: the whole prefix
                 windows[b.name] = window if window is not None else n
-        # one existence query covers every all_pages pool (plain loops: SGLang asks per request)
-        query: dict[str, Sequence[str]] = {}
-        for b in held:
-            if b is kv or b.spec.hit_policy is _ALL_PAGES:
-                query[b.name] = self._hash_keys(b, hashes, False)
-        counts = self.store.page_exists(query)
-        prefix: dict[str, int] = {}
-        for b in held:
-            if b.name in query:
-                prefix[b.name] = counts.get(b.name, 0) // b.split
-        hit = usable_hit(held, prefix, self._window_query(hashes.hashes, windows) if windows else _no_window,
-                         limit=n, windows=windows)
+        hit = query_hit(self.store.page_exists, held, hashes, self._hash_keys, windows=windows)
         if not pools:
             return hit.pages, hit.boundaries
         # as SGLang reports them: each pool's boundary within the target's stored prefix
@@ -582,17 +575,6 @@ class HiCacheDraftStorage(HiCacheStorage):
         for name, pages in hit.boundaries.items():
             bounds[name] = pages if pages < kv_pages else kv_pages
         return (0 if missing else hit.pages), bounds
-
-    def _window_query(self, keys: Sequence[str], windows: dict[str, int]) -> Callable[[PoolBinding, int], int]:
-        """``usable_hit``'s ``window_stored``: one existence query of a trailing pool's window,
-        its last page first."""
-
-        def window_stored(b: PoolBinding, end: int) -> int:
-            tail = _Hashes(list(keys[max(0, end - windows[b.name]) : end])[::-1])  # last page first
-            got = self.store.page_exists({b.name: self._hash_keys(b, tail, False)})
-            return got.get(b.name, 0) // b.split
-
-        return window_stored
 
     @_never_raise(_no_hit)
     def batch_exists_v2(
@@ -713,7 +695,7 @@ class HiCacheDraftStorage(HiCacheStorage):
         if kv is not None and kv[0].binding.split == 1:
             # target pages: their keys are remembered for the hit query (plain hashes only: _hash_keys)
             job, pos_kv = kv
-            job.keys = self._hash_keys(job.binding, _Hashes([keys[p] for p in pos_kv], job.groups))
+            job.keys = self._hash_keys(job.binding, _Hashes([keys[p] for p in pos_kv], job.groups), True)
         return [j for j, _ in by_name.values()], [p for _, p in by_name.values()]
 
     @_never_raise(_constant(False))

@@ -22,7 +22,7 @@ from hicache_draft_file.segment_format import SegmentIndex, build_footer, pool_t
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache_draft import HEADER_SIZE, Buffer, Page, PageResult, PoolKind, make_header
+from hicache_draft import HEADER_SIZE, Buffer, Page, PageResult, PageTransfer, PoolKind, make_header
 
 NS = "c3" * 12
 
@@ -277,3 +277,23 @@ def test_a_new_root_has_every_fan_out_directory_so_no_write_makes_one(tmp_path, 
         assert made == []
     finally:
         dirs.close()
+
+
+def test_dedup_skips_only_groups_stored_whole(open_store, kit) -> None:
+    """A group whose every page of the call is stored already is answered OK without a write; a
+    group with one page missing (here its draft page) is written again, whole."""
+    store = open_store()
+    old = [kit.group(i, 7) for i in range(4)]
+    store.page_set(kit.both(old, 512))
+    store.page_set([PageTransfer(PoolKind.KV, kit.pages(PoolKind.KV, [kit.group(9, 7)], 512))])  # target only
+    before = store.backend.usage()
+    again = [*old, kit.group(9, 7)]
+    res = store.page_set(kit.both(again, 512))
+    after = store.backend.usage()
+    assert all(r is PageResult.OK for rs in res.values() for r in rs)
+    assert after["segments_written"] == before["segments_written"] + 1  # group 9 only
+    assert after["pages"] == before["pages"] + 2  # its target page again and its draft page
+    assert all(ok for rs in kit.read_back(store, again, 512).values() for _r, ok in rs)
+    res = store.page_set(kit.both(old, 512))
+    assert all(r is PageResult.OK for rs in res.values() for r in rs)
+    assert store.backend.usage()["segments_written"] == after["segments_written"]  # nothing written

@@ -372,3 +372,18 @@ def test_small_records_read_through_the_core_are_shared_by_threads(kit, store: S
     plain = attach_headers([PageTransfer(PoolKind.KV, _pages(kit, PoolKind.KV, groups, False))], made=False)
     got = store.backend.page_get(plain, time.monotonic() + 30)
     assert list(got[PoolKind.KV]) == [PageResult.OK] * COUNT and len(readers) == 1
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 8])
+def test_few_threads_write_a_mid_sized_call_as_one_file(tmp_path: Path, kit, threads: int) -> None:
+    """Each segment writer's Python work and the Store's hand-over need a core beside the ones
+    writing: with fewer than _SPLIT_CORES I/O threads a call is split only into files of
+    _SPLIT_MIN_FEW bytes (here none), with more into one file per thread (here _SPLIT_MIN is
+    64 KiB: 24 of them in the call)."""
+    store = Store.open("file", {"root": str(tmp_path / "s"), "io_threads": threads})
+    try:
+        _stored(kit, store)  # 96 pages of 16 KiB
+        want = threads if threads >= file_backend._SPLIT_CORES else 1
+        assert store.backend.usage()["segments"] == want
+    finally:
+        store.close()

@@ -112,6 +112,7 @@ from hicache_draft_file.root_setup import prepare_root
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry, ident, pid_alive
 from hicache_draft_file.segment_format import SegmentError, read_index, storable_pool
 from hicache_draft_file.segment_writer import claim_file, write_segment
+from hicache_draft_file.spares import SpareFiles
 from hicache_draft_file.vectored_io import memory_filesystem
 
 log = logging.getLogger("hicache_draft_file")
@@ -262,6 +263,11 @@ class FileBackend(StorageBackend):
         # the threads that take a share of a call's reads or writes, next to the calling thread
         self._pool = (
             ThreadPoolExecutor(self.workers - 1, thread_name_prefix="hcd-file-io") if self.workers > 1 else None
+        )
+        # files for the next call's segments, claimed by an I/O thread after each call (spares.py)
+        self.spares: SpareFiles | None = (
+            SpareFiles(self.dirs, self._next_name, self._pool, self.workers, context.timeout_s, self._prealloc)
+            if self.writable and self._pool is not None else None
         )
         try:
             self._lock_fd = self._open_lock()
@@ -571,6 +577,10 @@ class FileBackend(StorageBackend):
         # buffered writes to one file are serialised by its inode lock: one segment per thread
         self._spread(write, batches, [size for _b, size in batches], 1)
         self._maybe_evict(set(published))
+        if self.spares is not None and batches:
+            with self._lock:
+                made = [seg.size for n in published if (seg := self.catalog.segments.get(n)) is not None]
+            self.spares.refill(len(batches), max(made, default=0))
         return results
 
     def _spread(self, fn: Callable[[list], None], work: list, weights: Sequence[int], share_min: int) -> None:
@@ -669,12 +679,20 @@ class FileBackend(StorageBackend):
             return True
         return False
 
+    def _next_name(self) -> str:
+        """A new segment name of this writer."""
+        with self._lock:
+            self._seq += 1
+            return segment_name(self._writer, self._seq)
+
     def _write_once(
         self, batch: list[tuple[str, int, Page]], deadline: float, write_records: _WriteRecords | None = None
     ) -> str:
-        with self._lock:
-            self._seq += 1
-            name = segment_name(self._writer, self._seq)
+        spare = self.spares.take() if self.spares is not None else None
+        if spare is None:
+            name, claimed = self._next_name(), None
+        else:
+            name, claimed = spare.name, (spare.tmp_name, spare.fd, spare.old_size, spare.recycled)
         items = [(pool, page) for pool, _i, page in batch]
         core = None
         if write_records is not None and all(page.header is not None for _pool, _i, page in batch):
@@ -684,7 +702,7 @@ class FileBackend(StorageBackend):
                 return write_records(fd, 0, refs, chunk)
 
         ws = write_segment(self.dirs, name, items, self.opts.fsync, deadline=deadline, records=core,
-                           prealloc=self._prealloc)
+                           prealloc=self._prealloc, claimed=claimed)
 
         fname = name + SEGMENT_SUFFIX
         try:
@@ -966,6 +984,8 @@ class FileBackend(StorageBackend):
                 with contextlib.suppress(OSError):
                     os.close(self._lock_fd)
                 self._lock_fd = -1
+        if self.spares is not None and not self.spares.close():
+            return  # a claim still runs in tmp/: its directory descriptors stay open (logged)
         with self._lock:
             self.dirs.close()
 

@@ -81,6 +81,7 @@ def write_segment(
     deadline: float = float("inf"),
     records: Callable[[int, int], int] | None = None,
     prealloc: bool = True,
+    claimed: tuple[str, int, int, bool] | None = None,
 ) -> WrittenSegment:
     """Write ``items`` as segment ``name`` into ``tmp/``. On any error the file is removed and
     the error raised (nothing published, nothing already stored touched).
@@ -97,9 +98,11 @@ def write_segment(
     :class:`TimeoutError` and the page buffers are not read any more. ``records(fd, chunk)``: the
     core's ``write_records`` for these pages (their headers zeroed, made by it as it writes them
     from offset 0; it returns the bytes written), used instead of writing the records here.
-    ``prealloc=False`` (an in-memory filesystem) skips the preallocation.
+    ``prealloc=False`` (an in-memory filesystem) skips the preallocation. ``claimed``: the file to
+    write, as :func:`claim_file` returned it for ``name`` (a spare claimed before the call);
+    otherwise one is claimed here.
     """
-    tmp, fd, old_size, recycled = claim_file(dirs, name)
+    tmp, fd, old_size, recycled = claimed if claimed is not None else claim_file(dirs, name)
     try:
         index = _index_of(items)
         footer = build_footer(index)

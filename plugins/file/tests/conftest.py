@@ -35,6 +35,17 @@ def both(groups: list[str], n: int, fill: bool = True) -> list[PageTransfer]:
     return [PageTransfer(p, pages(p, groups, n, fill)) for p in (PoolKind.KV, PoolKind.DRAFT)]
 
 
+def unfinished(backend: object, root: Path) -> list[str]:
+    """The files in ``root``'s ``tmp/`` other than ``backend``'s spare segment files (spares.py),
+    once its spare refill has settled: what an unfinished or failed write left."""
+    spares = getattr(backend, "spares", None)
+    held: set[str] = set()
+    if spares is not None:
+        assert spares.settle(10.0), "the spare-file refill did not settle"
+        held = spares.names()
+    return sorted(p.name for p in (root / "tmp").iterdir() if p.name not in held)
+
+
 def read_back(store: Store, groups: list[str], n: int) -> dict[PoolKind, list[tuple[PageResult, bool]]]:
     """page_get of both pools: per page (result, bytes equal to what was written)."""
     ts = both(groups, n, fill=False)
@@ -48,7 +59,8 @@ def read_back(store: Store, groups: list[str], n: int) -> dict[PoolKind, list[tu
 
 @pytest.fixture
 def kit() -> SimpleNamespace:
-    return SimpleNamespace(NS=NS, group=group, payload=payload, pages=pages, both=both, read_back=read_back)
+    return SimpleNamespace(NS=NS, group=group, payload=payload, pages=pages, both=both, read_back=read_back,
+                           unfinished=unfinished)
 
 
 @pytest.fixture

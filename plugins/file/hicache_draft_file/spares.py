@@ -1,0 +1,202 @@
+"""Spare segment files: files in ``tmp/`` claimed between calls, so that a ``page_set`` does not
+wait for file creation.
+
+Creating a file is a metadata change of ``tmp/`` (its directory lock, a journal handle); the
+first one after the filesystem's journal committed costs 100-300 us on the development VM and on
+the H100 host (0.15-0.28 ms per segment file in the timeline of a 128 x 64 KiB call, where the
+records themselves take 1.1-1.2 ms per file), and several writer threads creating at once queue on
+the directory. After a call, one of the backend's I/O threads claims as many files as that call
+wrote segments (:func:`~hicache_draft_file.segment_writer.claim_file`: a recycled file from
+``free/`` or a new one, flocked while held, named after this process), preallocated to the size
+of that call's segments when they are small (:data:`PREALLOC_MAX`), and the next call's writers
+take them.
+
+A spare is an ordinary temp file of this process: a live writer's flock keeps other processes'
+stale-file cleaners away from it, and a process that dies leaves it to the next cleaner like an
+unfinished write. :meth:`SpareFiles.close` removes the spares; a forked child never uses its
+parent's (it forgets them, closing only its own descriptors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from hicache_draft_file.rootfs import RootDirs, UnsafeEntry
+from hicache_draft_file.segment_writer import claim_file
+from hicache_draft_file.vectored_io import preallocate
+
+log = logging.getLogger("hicache_draft.file")
+
+# A spare is preallocated to the size of the last call's segments when they were at most this big
+# (the next call of the same shape then neither allocates nor truncates: on the H100 host fallocate
+# took 0.04-0.16 ms per 4 MiB segment inside the call). Larger segments are left empty: their
+# allocation is small beside their write, and a spare holds no disk space it may never use.
+PREALLOC_MAX = 16 << 20
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A file in ``tmp/`` for segment ``name``: its name there, open read-write and flocked."""
+
+    name: str
+    tmp_name: str
+    fd: int
+    old_size: int
+    recycled: bool
+
+
+def claim(dirs: RootDirs, name: str, size: int = 0) -> Claimed:
+    """Claim a file for segment ``name`` now (see :func:`claim_file`), preallocated to at least
+    ``size`` bytes where the filesystem allows (its size is then that)."""
+    tmp, fd, old_size, recycled = claim_file(dirs, name)
+    if old_size < size:
+        try:
+            if preallocate(fd, size):
+                old_size = size
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dirs.tmp)
+            raise
+    return Claimed(name, tmp, fd, old_size, recycled)
+
+
+class SpareFiles:
+    """Up to ``limit`` claimed files, refilled on ``pool`` after each call that used some.
+
+    ``new_name`` gives the next segment name (the backend's writer id and sequence). All methods
+    are thread-safe; a refill runs on one thread at a time, and :meth:`close` waits for it (at
+    most ``timeout_s``) before it removes the spares, so no file is created once it returned."""
+
+    def __init__(self, dirs: RootDirs, new_name: Callable[[], str], pool: Executor, limit: int,
+                 timeout_s: float, prealloc: bool = True) -> None:
+        self._dirs = dirs
+        self._new_name = new_name
+        self._pool = pool
+        self._limit = max(1, limit)
+        self._timeout_s = timeout_s
+        self._mu = threading.Lock()  # the list, the target, the flags
+        self._busy = threading.Lock()  # held by the one running refill
+        self._files: list[Claimed] = []
+        self._target = 0
+        self._size = 0  # bytes to preallocate each new spare to
+        self._prealloc = prealloc
+        self._pending = False
+        self._closed = False
+        self._pid = os.getpid()  # the claiming process
+        self._forgotten = False  # (in a forked child) the parent's spares were let go
+
+    def take(self) -> Claimed | None:
+        """A spare file, or ``None`` (none left: the caller claims one itself)."""
+        if self._forked():
+            return None
+        with self._mu:
+            return self._files.pop() if self._files else None
+
+    def names(self) -> set[str]:
+        """The names in ``tmp/`` of the spares held now."""
+        with self._mu:
+            return {c.tmp_name for c in self._files}
+
+    def refill(self, used: int, size: int = 0) -> None:
+        """After a call that wrote ``used`` segments, the largest of ``size`` bytes: keep that many
+        spares (at most the limit), claimed on the pool, not in this thread; new ones are
+        preallocated to ``size`` when it is at most :data:`PREALLOC_MAX`."""
+        if self._forked():
+            return
+        with self._mu:
+            if self._closed:
+                return
+            self._target = min(self._limit, max(self._target, used))
+            self._size = size if self._prealloc and size <= PREALLOC_MAX else 0
+            if self._pending or len(self._files) >= self._target:
+                return
+            self._pending = True
+        try:
+            self._pool.submit(self._run)
+        except RuntimeError:  # the pool is shut down: the backend is closing
+            with self._mu:
+                self._pending = False
+
+    def _run(self) -> None:
+        with self._busy:
+            with self._mu:
+                self._pending = False
+            while True:
+                with self._mu:
+                    if self._closed or len(self._files) >= self._target:
+                        return
+                    size = self._size
+                try:
+                    got = claim(self._dirs, self._new_name(), size)
+                except (OSError, UnsafeEntry) as exc:  # the write path claims (and reports) for itself
+                    log.debug("file backend: no spare segment file: %s", exc)
+                    return
+                with self._mu:
+                    if not self._closed:
+                        self._files.append(got)
+                        continue
+                self._discard(got)
+                return
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until no refill is queued or running (tests and tools); ``False`` at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._mu:
+                pending = self._pending
+            if not pending and self._busy.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                self._busy.release()
+                with self._mu:
+                    if not self._pending:
+                        return True
+            if time.monotonic() >= deadline:
+                return False
+
+    def close(self) -> bool:
+        """Remove every spare; ``False`` when a refill still ran after the timeout (then its
+        directory descriptors must stay open: it may still be creating a file)."""
+        if self._forked():
+            return True
+        with self._mu:
+            self._closed = True
+        if not self._busy.acquire(timeout=self._timeout_s):
+            log.warning("file backend: a spare-file claim did not finish in %.0f s at close", self._timeout_s)
+            return False
+        try:
+            with self._mu:
+                files, self._files = self._files, []
+            for c in files:
+                self._discard(c)
+        finally:
+            self._busy.release()
+        return True
+
+    def _discard(self, c: Claimed) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(c.tmp_name, dir_fd=self._dirs.tmp)
+        with contextlib.suppress(OSError):
+            os.close(c.fd)
+
+    def _forked(self) -> bool:
+        """Whether this is a forked child of the process that claimed the spares. The first time:
+        they are the parent's files, so close only this process's copies of their descriptors
+        (the parent's flocks stay) and never use them. No lock is taken: one the parent held
+        while forking stays held in the child."""
+        if self._pid == os.getpid():
+            return False
+        files, self._files, self._closed = self._files, [], True
+        for c in files:
+            with contextlib.suppress(OSError):
+                os.close(c.fd)
+        self._pid = os.getpid()  # the claiming process
+        self._forgotten = False  # (in a forked child) the parent's spares were let go
+        return True
+

@@ -1,0 +1,186 @@
+"""Spare segment files (spares.py): claimed after a call, written by the next one, removed at close,
+reclaimed when their process dies, never used by a forked child, never created after close."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from hicache_draft_file import backend as file_backend
+from hicache_draft_file import segment_writer, spares
+from hicache_draft_file.root_setup import prepare_root
+
+from hicache_draft import PageResult, PoolKind
+
+N = 65536
+GROUPS = 64  # two pools of 64 x 64 KiB: 8 MiB, two segments with 4 I/O threads
+
+
+@pytest.fixture(autouse=True)
+def _two_segments_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(file_backend, "_SPLIT_MIN", 4 << 20)
+    monkeypatch.setattr(file_backend, "_SPLIT_CORES", 4)
+
+
+def _flocked(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_a_call_writes_into_the_files_claimed_after_the_one_before(
+    open_store, kit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(io_threads=4)
+    be = store.backend
+    first = [kit.group(i, 1) for i in range(GROUPS)]
+    assert store.page_set(kit.both(first, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
+    assert be.spares.settle(10.0)
+    held = be.spares.names()
+    assert len(held) == 2  # as many as the call wrote segments
+    tmp = tmp_path / "store" / "tmp"
+    assert all(_flocked(tmp / name) for name in held)  # a live writer's files: cleaners keep away
+    before = set(be.catalog.segments)
+    claimed_in_call: list[str] = []
+    real = segment_writer.claim_file
+
+    def counted(dirs: object, name: str) -> tuple[str, int, int, bool]:
+        claimed_in_call.append(name)
+        return real(dirs, name)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(segment_writer, "claim_file", counted)
+    second = [kit.group(i, 2) for i in range(GROUPS)]
+    assert store.page_set(kit.both(second, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
+    new = set(be.catalog.segments) - before
+    assert claimed_in_call == []  # no file created or recycled inside the call
+    assert {f"{n}.{os.getpid()}.tmp" for n in new} == held  # the spares became the segments
+    got = kit.read_back(store, first + second, N)
+    assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+
+
+def test_spares_are_preallocated_so_a_call_of_the_same_shape_neither_allocates_nor_truncates(
+    open_store, kit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_store(io_threads=4)
+    be = store.backend
+    assert be._prealloc  # ext4 or another block filesystem under tmp_path (not tmpfs)
+    assert store.page_set(kit.both([kit.group(i, 1) for i in range(GROUPS)], N))[PoolKind.KV][0] is PageResult.OK
+    sizes = {seg.size for seg in be.catalog.segments.values()}
+    assert len(sizes) == 1 and be.spares.settle(10.0)
+    tmp = tmp_path / "store" / "tmp"
+    assert {(tmp / n).stat().st_size for n in be.spares.names()} == sizes
+    (size,) = sizes
+    assert all((tmp / n).stat().st_blocks * 512 >= size for n in be.spares.names())  # allocated
+    calls: list[str] = []
+    real_pre, real_trunc = segment_writer.preallocate, os.ftruncate
+    monkeypatch.setattr(segment_writer, "preallocate", lambda fd, n: calls.append("fallocate") or real_pre(fd, n))
+    monkeypatch.setattr(segment_writer.os, "ftruncate", lambda fd, n: calls.append("ftruncate") or real_trunc(fd, n))
+    assert store.page_set(kit.both([kit.group(i, 2) for i in range(GROUPS)], N))[PoolKind.KV][0] is PageResult.OK
+    assert calls == []
+    monkeypatch.undo()
+    # a call of another shape still stores exact segments (extended or cut to their size)
+    for count, tag in ((GROUPS // 4, 3), (GROUPS * 2, 4)):
+        assert be.spares.settle(10.0)
+        groups = [kit.group(i, tag) for i in range(count)]
+        assert store.page_set(kit.both(groups, N))[PoolKind.KV] == [PageResult.OK] * count
+        got = kit.read_back(store, groups, N)
+        assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+    for seg in be.catalog.segments.values():
+        fan = tmp_path / "store" / "seg"
+        (path,) = fan.glob(f"*/{seg.name}.seg")
+        assert path.stat().st_size == seg.size
+
+
+def test_close_removes_the_spares(open_store, kit, tmp_path: Path) -> None:
+    store = open_store(io_threads=4)
+    assert store.page_set(kit.both([kit.group(i) for i in range(GROUPS)], N))[PoolKind.KV][0] is PageResult.OK
+    assert store.backend.spares.settle(10.0) and store.backend.spares.names()
+    store.close()
+    assert list((tmp_path / "store" / "tmp").iterdir()) == []
+
+
+def test_spares_of_a_process_that_died_are_reclaimed_by_the_next_one(open_store, kit, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    child = f"""
+import os, sys
+sys.path[:0] = {sys.path!r}
+from hicache_draft import Store, PoolKind, PageResult
+from hicache_draft_file import backend as fb
+fb._SPLIT_MIN, fb._SPLIT_CORES = 4 << 20, 4
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from conftest import both, group
+s = Store.open("file", {{"root": {str(root)!r}, "io_threads": 4}})
+assert s.page_set(both([group(i, 7) for i in range({GROUPS})], {N}))[PoolKind.KV] == [PageResult.OK] * {GROUPS}
+assert s.backend.spares.settle(10.0) and len(s.backend.spares.names()) == 2
+os._exit(0)  # no close: the spares stay behind
+"""
+    subprocess.run([sys.executable, "-c", child], check=True, timeout=120)
+    left = [p.name for p in (root / "tmp").iterdir()]
+    assert len(left) == 2 and all(n.endswith(".tmp") for n in left)
+    store = open_store(root)
+    assert list((root / "tmp").iterdir()) == []  # its writer is dead and they are not flocked
+    got = kit.read_back(store, [kit.group(i, 7) for i in range(GROUPS)], N)
+    assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV])
+
+
+def _spare_files(tmp_path: Path, timeout_s: float = 5.0) -> tuple[spares.SpareFiles, ThreadPoolExecutor, object]:
+    dirs = prepare_root(tmp_path / "root", create=True, read_only=False)
+    pool = ThreadPoolExecutor(1)
+    seq = iter(range(1, 1000))
+    sf = spares.SpareFiles(dirs, lambda: f"00000000000000aa-{next(seq):08x}", pool, 4, timeout_s)
+    return sf, pool, dirs
+
+
+def test_a_forked_child_never_uses_or_removes_the_parents_spares(tmp_path: Path, monkeypatch) -> None:
+    sf, pool, dirs = _spare_files(tmp_path)
+    sf.refill(3)
+    assert sf.settle(10.0) and len(sf.names()) == 3
+    held = sf.names()
+    fds = [c.fd for c in sf._files]
+    monkeypatch.setattr(sf, "_pid", os.getpid() + 1)  # as seen from a child: another process claimed them
+    assert sf.take() is None
+    sf.refill(3)
+    assert sf.close() is True
+    tmp = tmp_path / "root" / "tmp"
+    assert {p.name for p in tmp.iterdir()} == held  # the parent's files are untouched
+    for fd in fds:  # only the child's own descriptors were closed
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    pool.shutdown()
+    dirs.close()  # type: ignore[attr-defined]
+
+
+def test_close_waits_for_a_running_claim_and_nothing_is_created_after(tmp_path: Path, monkeypatch) -> None:
+    sf, pool, dirs = _spare_files(tmp_path, timeout_s=0.2)
+    gate, entered = threading.Event(), threading.Event()
+    real = spares.claim
+
+    def slow(d: object, name: str, size: int = 0) -> spares.Claimed:
+        entered.set()
+        assert gate.wait(10.0)
+        return real(d, name, size)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(spares, "claim", slow)
+    sf.refill(2)
+    assert entered.wait(10.0)
+    t0 = time.monotonic()
+    assert sf.close() is False  # the claim still runs: the caller must keep tmp/ open
+    assert time.monotonic() - t0 < 5.0
+    gate.set()
+    assert sf.settle(10.0)
+    assert sf.close() is True
+    assert list((tmp_path / "root" / "tmp").iterdir()) == []  # the late file was removed, no more made
+    pool.shutdown()
+    dirs.close()  # type: ignore[attr-defined]

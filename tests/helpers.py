@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,7 @@ import torch
 from hicache_draft import BackendContext, Config
 from hicache_draft.controller import CacheController
 from hicache_draft.store import Store
-from hicache_draft.testing import MemoryBackend
+from hicache_draft.testing import MemoryBackend, in_forked_child  # noqa: F401 (tests import it from here)
 
 PS = 4
 
@@ -113,22 +111,3 @@ class _NoTorch:
 sys.meta_path.insert(0, _NoTorch())
 """
 """Prepend to a ``python -c`` script: any import of torch then raises ImportError."""
-
-
-def in_forked_child(body: Callable[[], bool]) -> int:
-    """Run ``body`` in a forked child that never returns into pytest; its verdict as a code: 0 when
-    it returned True, 3 when False, 4 when it raised."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 4
-        try:
-            code = 0 if body() else 3
-        finally:
-            os.write(w, bytes([code]))
-            os._exit(0)
-    os.close(w)
-    got = os.read(r, 1)
-    os.close(r)
-    os.waitpid(pid, 0)
-    return got[0] if got else 4

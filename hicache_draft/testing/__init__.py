@@ -9,6 +9,7 @@ from hicache_draft.pools import import_torch
 
 import_torch()  # quietly, before the modules that need it
 
+from hicache_draft.testing.fork import CHILD_OK, in_forked_child  # noqa: E402
 from hicache_draft.testing.memory import Faults, MemoryBackend  # noqa: E402
 from hicache_draft.testing.suite import (  # noqa: E402
     KIT_POOLS,
@@ -21,6 +22,7 @@ from hicache_draft.testing.suite import (  # noqa: E402
 )
 
 __all__ = [
+    "CHILD_OK",
     "KIT_POOLS",
     "Case",
     "ConformanceSuite",
@@ -29,5 +31,6 @@ __all__ = [
     "MemoryBackend",
     "PoolRig",
     "declared_cases",
+    "in_forked_child",
     "make_spec",
 ]

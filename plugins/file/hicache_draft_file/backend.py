@@ -58,6 +58,7 @@ import secrets
 import stat
 import threading
 import time
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -261,14 +262,13 @@ class FileBackend(StorageBackend):
         self._closed = False
         self.workers = options.workers()
         # the threads that take a share of a call's reads or writes, next to the calling thread
-        self._pool = (
-            ThreadPoolExecutor(self.workers - 1, thread_name_prefix="hcd-file-io") if self.workers > 1 else None
-        )
+        self._pool = self._new_pool()
         # files for the next call's segments, claimed by an I/O thread after each call (spares.py)
         self.spares: SpareFiles | None = (
-            SpareFiles(self.dirs, self._next_name, self._pool, self.workers, context.timeout_s, self._prealloc)
+            SpareFiles(self.dirs, self._next_name, self._submit, self.workers, context.timeout_s, self._prealloc)
             if self.writable and self._pool is not None else None
         )
+        _LIVE.add(self)
         try:
             self._lock_fd = self._open_lock()
             self._journal = Journal(self.dirs.root_fd, JOURNAL_FILE, writable=self.writable)
@@ -281,6 +281,25 @@ class FileBackend(StorageBackend):
             self._recover()
         with self._lock:
             self._full_scan()
+
+    def _new_pool(self) -> ThreadPoolExecutor | None:
+        if self.workers <= 1:
+            return None
+        return ThreadPoolExecutor(self.workers - 1, thread_name_prefix="hcd-file-io")
+
+    def _submit(self, fn: Callable[[], None]) -> Future[None]:
+        """Run ``fn`` on an I/O thread (``RuntimeError`` once the backend is closing)."""
+        if self._pool is None:
+            raise RuntimeError("file backend: no I/O threads")
+        return self._pool.submit(fn)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child has none of its parent's threads: the executor copied with the fork would
+        queue its shares forever, and a lock some other thread held at the fork stays held."""
+        self._lock = threading.RLock()
+        self._fs_lock = threading.Lock()
+        if self._pool is not None and not self._closed:
+            self._pool = self._new_pool()
 
     def _open_lock(self) -> int:
         """ROOT/lock, never through a link (one in its place is quarantined and replaced)."""
@@ -1306,6 +1325,17 @@ class FileBackend(StorageBackend):
                 "free_bytes": free_bytes,
                 **vars(self.stats),
             }
+
+
+_LIVE: weakref.WeakSet[FileBackend] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for backend in list(_LIVE):
+        backend._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def xxhash_hex(text: str) -> str:

@@ -25,7 +25,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry
@@ -69,17 +68,18 @@ def claim(dirs: RootDirs, name: str, size: int = 0) -> Claimed:
 
 
 class SpareFiles:
-    """Up to ``limit`` claimed files, refilled on ``pool`` after each call that used some.
+    """Up to ``limit`` claimed files, refilled on an I/O thread (``submit``) after each call
+    that used some.
 
     ``new_name`` gives the next segment name (the backend's writer id and sequence). All methods
     are thread-safe; a refill runs on one thread at a time, and :meth:`close` waits for it (at
     most ``timeout_s``) before it removes the spares, so no file is created once it returned."""
 
-    def __init__(self, dirs: RootDirs, new_name: Callable[[], str], pool: Executor, limit: int,
-                 timeout_s: float, prealloc: bool = True) -> None:
+    def __init__(self, dirs: RootDirs, new_name: Callable[[], str], submit: Callable[[Callable[[], None]], object],
+                 limit: int, timeout_s: float, prealloc: bool = True) -> None:
         self._dirs = dirs
         self._new_name = new_name
-        self._pool = pool
+        self._submit = submit
         self._limit = max(1, limit)
         self._timeout_s = timeout_s
         self._mu = threading.Lock()  # the list, the target, the flags
@@ -107,7 +107,7 @@ class SpareFiles:
 
     def refill(self, used: int, size: int = 0) -> None:
         """After a call that wrote ``used`` segments, the largest of ``size`` bytes: keep that many
-        spares (at most the limit), claimed on the pool, not in this thread; new ones are
+        spares (at most the limit), claimed on an I/O thread, not in this one; new ones are
         preallocated to ``size`` when it is at most :data:`PREALLOC_MAX`."""
         if self._forked():
             return
@@ -120,8 +120,8 @@ class SpareFiles:
                 return
             self._pending = True
         try:
-            self._pool.submit(self._run)
-        except RuntimeError:  # the pool is shut down: the backend is closing
+            self._submit(self._run)
+        except RuntimeError:  # no I/O thread takes it: the backend is closing
             with self._mu:
                 self._pending = False
 

@@ -11,7 +11,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +29,7 @@ from hicache_draft import (
     Store,
     attach_headers,
 )
+from hicache_draft.testing import CHILD_OK, in_forked_child
 
 N = 16384  # payload bytes per page
 COUNT = 48
@@ -387,3 +388,55 @@ def test_few_threads_write_a_mid_sized_call_as_one_file(tmp_path: Path, kit, thr
         assert store.backend.usage()["segments"] == want
     finally:
         store.close()
+
+
+def _stores_and_reads(store: Store, kit, tag: int, also: list[str]) -> Callable[[], bool]:
+    def body() -> bool:
+        mine = [kit.group(i, tag) for i in range(64)]
+        if store.page_set(kit.both(mine, 65536))[PoolKind.KV] != [PageResult.OK] * 64:
+            return False
+        got = kit.read_back(store, mine + also, 65536)
+        return all(pair == (PageResult.OK, True) for rows in got.values() for pair in rows)
+
+    return body
+
+
+@pytest.fixture
+def _four_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(file_backend, "_SPLIT_MIN", 1 << 20)
+    monkeypatch.setattr(file_backend, "_SPLIT_CORES", 4)
+
+
+@pytest.mark.usefixtures("_four_shares")
+def test_a_forked_child_stores_and_reads_on_threads_of_its_own(open_store, kit) -> None:
+    """The I/O threads do not survive ``fork``: a child whose calls were handed to the parent's
+    executor waited for shares no thread ran (its calls failed at the timeout, or hung)."""
+    store = open_store(io_threads=4)
+    warm = [kit.group(i, 7) for i in range(64)]  # 8 MiB: four shares, on I/O threads
+    assert store.page_set(kit.both(warm, 65536))[PoolKind.KV] == [PageResult.OK] * 64
+    assert any(t.name.startswith("hcd-file-io") for t in threading.enumerate())  # threads a fork loses
+    verdict = in_forked_child(_stores_and_reads(store, kit, 8, warm))
+    assert verdict == CHILD_OK, f"the forked child's calls failed or hung (code {verdict})"
+    assert kit.read_back(store, warm, 65536)[PoolKind.KV] == [(PageResult.OK, True)] * 64  # the parent goes on
+
+
+@pytest.mark.usefixtures("_four_shares")
+def test_a_forked_child_is_not_stopped_by_a_lock_another_thread_held_at_the_fork(open_store, kit) -> None:
+    store = open_store(io_threads=4)
+    be = store.backend
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with be._lock, be._fs_lock:  # a writer of the parent publishing a segment as the process forks
+            held.set()
+            let_go.wait(30.0)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(10.0)
+        verdict = in_forked_child(_stores_and_reads(store, kit, 9, []))
+    finally:
+        let_go.set()
+        t.join()
+    assert verdict == CHILD_OK, f"the forked child's calls failed or hung (code {verdict})"

@@ -139,7 +139,7 @@ def _spare_files(tmp_path: Path, timeout_s: float = 5.0) -> tuple[spares.SpareFi
     dirs = prepare_root(tmp_path / "root", create=True, read_only=False)
     pool = ThreadPoolExecutor(1)
     seq = iter(range(1, 1000))
-    sf = spares.SpareFiles(dirs, lambda: f"00000000000000aa-{next(seq):08x}", pool, 4, timeout_s)
+    sf = spares.SpareFiles(dirs, lambda: f"00000000000000aa-{next(seq):08x}", pool.submit, 4, timeout_s)
     return sf, pool, dirs
 
 

@@ -20,8 +20,9 @@ that left ``seg/`` while it was read (evicted, its file maybe recycled) yields m
 
 Who owns what, under which lock (one process; locks taken in this order, never the reverse):
 
-* ``_fs_lock`` then the flock on ``ROOT/lock`` (the root lock): shared to publish a segment (rename
-  into ``seg/`` plus its journal record), exclusive to evict, quarantine or compact the journal.
+* ``_fs_lock`` then the flock on ``ROOT/lock`` (the root lock): shared to publish a call's segments
+  (renames into ``seg/`` plus one journal append for them all), exclusive to evict, quarantine or
+  compact the journal.
 * ``_lock``: the catalog, the segment descriptors (``_handles``: reference counted, closed only
   when retired and unused) and the journal reading position.
 * the journal's own lock: its descriptor, used only under it (see journal.py for how appends always
@@ -112,7 +113,7 @@ from hicache_draft_file.options import FileOptions
 from hicache_draft_file.root_setup import prepare_root
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry, ident, pid_alive
 from hicache_draft_file.segment_format import SegmentError, read_index, storable_pool
-from hicache_draft_file.segment_writer import claim_file, write_segment
+from hicache_draft_file.segment_writer import WrittenSegment, claim_file, write_segment
 from hicache_draft_file.spares import SpareFiles
 from hicache_draft_file.vectored_io import memory_filesystem
 
@@ -583,18 +584,21 @@ class FileBackend(StorageBackend):
                 continue
             batches.append((batch, size))
 
-        published: list[str] = []  # this call's segments: never evicted by its own eviction
+        written: list[tuple[WrittenSegment, list[tuple[str, int, Page]]]] = []  # list.append: thread-safe
 
         def write(share: list[tuple[list[tuple[str, int, Page]], int]]) -> None:
             for batch, size in share:
                 if time.monotonic() > deadline:
                     self._log_once("set:deadline", "file backend: page_set ran past its deadline; pages failed")
-                elif self._write(batch, size, published, deadline, write_records):
-                    for pool, i, _page in batch:
-                        results[pool][i] = _OK
+                elif (ws := self._write(batch, size, deadline, write_records)) is not None:
+                    written.append((ws, batch))
 
         # buffered writes to one file are serialised by its inode lock: one segment per thread
         self._spread(write, batches, [size for _b, size in batches], 1)
+        published = self._publish(written)  # this call's segments: never evicted by its own eviction
+        for batch in published.values():
+            for pool, i, _page in batch:
+                results[pool][i] = _OK
         self._maybe_evict(set(published))
         if self.spares is not None and batches:
             with self._lock:
@@ -676,27 +680,30 @@ class FileBackend(StorageBackend):
             yield cur, size
 
     def _write(
-        self, batch: list[tuple[str, int, Page]], size: int, published: list[str], deadline: float,
+        self, batch: list[tuple[str, int, Page]], size: int, deadline: float,
         write_records: _WriteRecords | None = None,
-    ) -> bool:
-        """Write and publish one segment. A full filesystem (ENOSPC, EDQUOT) with eviction on is
-        capacity pressure: evict least recently used groups (never this call's), then retry once."""
+    ) -> WrittenSegment | None:
+        """Write one segment in ``tmp/`` (published by :meth:`_publish`). A full filesystem
+        (ENOSPC, EDQUOT) with eviction on is capacity pressure: evict least recently used groups
+        (none of this call's: they are not published yet), then retry once."""
         for attempt in (0, 1):
             try:
-                name = self._write_once(batch, deadline, write_records)
+                return self._write_once(batch, deadline, write_records)
             except OSError as exc:
                 if attempt == 0 and exc.errno in _NO_SPACE and self.opts.max_bytes is not None:
-                    self._make_room(size, set(published))
+                    self._make_room(size, set())
                     continue
-                self.stats.write_failures += 1
-                self._log_once(
-                    f"write:{exc.errno}", "file backend: writing a segment under %s failed (%s); %d pages failed, "
-                    "nothing stored was touched", self.layout.tmp, exc.strerror or exc, len(batch),
-                )
-                return False
-            published.append(name)
-            return True
-        return False
+                self._write_failed(exc, len(batch))
+                return None
+        return None
+
+    def _write_failed(self, exc: OSError, pages: int) -> None:
+        with self._lock:
+            self.stats.write_failures += 1
+        self._log_once(
+            f"write:{exc.errno}", "file backend: writing a segment under %s failed (%s); %d pages failed, "
+            "nothing stored was touched", self.layout.tmp, exc.strerror or exc, pages,
+        )
 
     def _next_name(self) -> str:
         """A new segment name of this writer."""
@@ -706,7 +713,7 @@ class FileBackend(StorageBackend):
 
     def _write_once(
         self, batch: list[tuple[str, int, Page]], deadline: float, write_records: _WriteRecords | None = None
-    ) -> str:
+    ) -> WrittenSegment:
         spare = self.spares.take() if self.spares is not None else None
         if spare is None:
             name, claimed = self._next_name(), None
@@ -720,39 +727,102 @@ class FileBackend(StorageBackend):
             def core(fd: int, chunk: int) -> int:
                 return write_records(fd, 0, refs, chunk)
 
-        ws = write_segment(self.dirs, name, items, self.opts.fsync, deadline=deadline, records=core,
-                           prealloc=self._prealloc, claimed=claimed)
+        return write_segment(self.dirs, name, items, self.opts.fsync, deadline=deadline, records=core,
+                             prealloc=self._prealloc, claimed=claimed)
 
-        fname = name + SEGMENT_SUFFIX
-        try:
-            with self._root_lock(exclusive=False), self.dirs.fan(fanout_dir(name)) as d:
-                os.rename(ws.tmp_name, fname, src_dir_fd=self.dirs.tmp, dst_dir_fd=d)
+    def _publish(
+        self, written: list[tuple[WrittenSegment, list[tuple[str, int, Page]]]]
+    ) -> dict[str, list[tuple[str, int, Page]]]:
+        """Publish a call's written segments together: renamed into ``seg/`` under one hold of the
+        shared root lock and announced in one journal append (a publish per segment took the lock
+        and appended once each, one writer after the other). Returns the published ones by name
+        with their pages. A segment whose rename fails is dropped alone; a journal append that
+        fails takes them all back to ``tmp/`` (no notice, no acknowledgement: a peer would never
+        see them), and a full filesystem with eviction on then makes room and tries once more."""
+        out: dict[str, list[tuple[str, int, Page]]] = {}
+        for attempt in (0, 1):
+            if not written:
+                return out
+            try:
+                moved = self._publish_once([ws for ws, _batch in written])
+            except OSError as exc:
+                if attempt == 0 and exc.errno in _NO_SPACE and self.opts.max_bytes is not None:
+                    self._make_room(sum(ws.index.size for ws, _b in written), set())
+                    continue
+                for ws, batch in written:
+                    self._discard(ws)
+                    self._write_failed(exc, len(batch))
+                return out
+            for ws, batch in written:
+                if ws.name not in moved:
+                    continue
                 try:
-                    # under the shared lock no one compacts: the record lands in the journal every
-                    # live reader reads (append checks the inode and follows a compaction)
-                    self._journal.append(Op.ADD, [name])
-                except JournalUnavailable as exc:
-                    # readers without a journal list the directory once a second: still found
-                    self._log_once("journal:gone", "file backend: %s; other processes find new segments "
-                                   "by listing the directory", exc.strerror)
-                except OSError:
-                    os.unlink(fname, dir_fd=d)  # no notice, no acknowledgement: a peer would never see it
-                    raise
-                if self.opts.fsync:
-                    os.fsync(d)
-            st = os.fstat(ws.fd)
-        except BaseException:
+                    st = os.fstat(ws.fd)
+                except OSError as exc:  # published: peers will find it; we do not serve it
+                    os.close(ws.fd)
+                    self._write_failed(exc, len(batch))
+                    continue
+                fcntl.flock(ws.fd, fcntl.LOCK_UN)
+                with self._lock:
+                    self.stats.segments_written += 1
+                    self.stats.segments_recycled += ws.recycled
+                    self.catalog.add(Segment(name=ws.name, seg_dir=self._seg_dir, index=ws.index, ident=ident(st)))
+                    self._put_handle(ws.name, ws.fd)
+                out[ws.name] = batch
+            return out
+        return out
+
+    def _publish_once(self, segments: list[WrittenSegment]) -> set[str]:
+        """Rename ``segments`` into ``seg/`` and append their journal record, under the shared
+        root lock. Returns the names renamed (a failed rename discards its segment); raises the
+        append's OSError once every renamed one is back in ``tmp/`` (or gone)."""
+        moved: list[WrittenSegment] = []
+        with self._root_lock(exclusive=False):
+            for ws in segments:
+                fname = ws.name + SEGMENT_SUFFIX
+                try:
+                    with self.dirs.fan(fanout_dir(ws.name)) as d:
+                        os.rename(ws.tmp_name, fname, src_dir_fd=self.dirs.tmp, dst_dir_fd=d)
+                        try:
+                            if self.opts.fsync:
+                                os.fsync(d)
+                        except OSError:
+                            os.unlink(fname, dir_fd=d)  # not durable, so never acknowledged
+                            raise
+                except OSError as exc:
+                    self._discard(ws)
+                    self._write_failed(exc, len(ws.index))
+                    continue
+                moved.append(ws)
+            try:
+                # under the shared lock no one compacts: the record lands in the journal every
+                # live reader reads (append checks the inode and follows a compaction)
+                self._journal.append(Op.ADD, [ws.name for ws in moved])
+            except JournalUnavailable as exc:
+                # readers without a journal list the directory once a second: still found
+                self._log_once("journal:gone", "file backend: %s; other processes find new segments "
+                               "by listing the directory", exc.strerror)
+            except OSError:
+                for ws in moved:
+                    self._unpublish(ws)
+                raise
+        return {ws.name for ws in moved}
+
+    def _unpublish(self, ws: WrittenSegment) -> None:
+        """Take a renamed segment back to ``tmp/`` (its write can be published again)."""
+        with self.dirs.fan(fanout_dir(ws.name)) as d:
+            try:
+                os.rename(ws.name + SEGMENT_SUFFIX, ws.tmp_name, src_dir_fd=d, dst_dir_fd=self.dirs.tmp)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(ws.name + SEGMENT_SUFFIX, dir_fd=d)
+
+    def _discard(self, ws: WrittenSegment) -> None:
+        """Drop a written, unpublished segment: its descriptor and its file in ``tmp/``."""
+        with contextlib.suppress(OSError):
             os.close(ws.fd)
-            with contextlib.suppress(OSError):
-                os.unlink(ws.tmp_name, dir_fd=self.dirs.tmp)
-            raise
-        fcntl.flock(ws.fd, fcntl.LOCK_UN)
-        with self._lock:  # several writer threads count here
-            self.stats.segments_written += 1
-            self.stats.segments_recycled += ws.recycled
-            self.catalog.add(Segment(name=name, seg_dir=self._seg_dir, index=ws.index, ident=ident(st)))
-            self._put_handle(name, ws.fd)
-        return name
+        with contextlib.suppress(OSError):
+            os.unlink(ws.tmp_name, dir_fd=self.dirs.tmp)
 
     def page_get(
         self,

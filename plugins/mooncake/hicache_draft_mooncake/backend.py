@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -146,6 +147,12 @@ class _Outage:
     last: str = ""
 
 
+FORKED = (
+    "this process is a fork of the one that opened the store, and the connection is that process's: calls "
+    "through it from here would break its calls, so every call here fails; open a new Store in this process"
+)
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.0f} KiB"
 
@@ -206,6 +213,8 @@ class MooncakeBackend(StorageBackend):
         self._logged: set[str] = set()
         self._closed = False
         self._worker: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()  # the process whose connection this is
+        self._fork_told = False
         self.stats: Counter[str] = Counter()
         self._link = Link.acquire(options, new_client)
         from mooncake.store import ReplicateConfig
@@ -233,6 +242,18 @@ class MooncakeBackend(StorageBackend):
             with self._lock:
                 self.stats.update(counts)
 
+    def _forked(self) -> bool:
+        """Whether this process is a fork of the one that opened the store. The connection (its
+        sockets, its transfer engine's threads and registrations) is the parent's: a call made
+        through it here broke the parent's next calls (RPC replies read by the wrong process), so
+        nothing is sent. Told once, without a lock (one another thread held at the fork stays held)."""
+        if os.getpid() == self._pid:
+            return False
+        if not self._fork_told:
+            self._fork_told = True
+            log.error("mooncake: %s", FORKED)
+        return True
+
     @property
     def _sess(self) -> Session:
         return self._link.session
@@ -246,7 +267,7 @@ class MooncakeBackend(StorageBackend):
     def _up(self, sess: Session) -> bool:
         """Whether a call may go to the store now; trips the breaker when an earlier call on this
         session is stuck past its deadline (a stopped holder or master)."""
-        if self._closed or self._breaker.down:
+        if self._closed or self._forked() or self._breaker.down:
             return False
         late = sess.overdue(OVERDUE_GRACE_S)
         if late > 0:
@@ -458,6 +479,8 @@ class MooncakeBackend(StorageBackend):
     def host_memory(self, pool: str, nbytes: int) -> Buffer | None:
         """Shared-memory mode: host pool memory from the segment holder's shared pool (registered,
         so pages move without a bounce copy; valid until the backend closes). TCP mode: ``None``."""
+        if self._forked():
+            raise RuntimeError(FORKED)
         sess = self._sess
         if not sess.mem.shm:
             return None
@@ -469,6 +492,8 @@ class MooncakeBackend(StorageBackend):
     @hookimpl
     def register_pool(self, registration: PoolRegistration) -> None:
         self.check_registration(registration)
+        if self._forked():
+            raise RuntimeError(FORKED)
         outside = 0
         sess = self._sess
         with sess.call(time.monotonic() + self.context.timeout_s):
@@ -799,6 +824,9 @@ class MooncakeBackend(StorageBackend):
 
     @hookimpl
     def close(self) -> None:
+        if self._forked():  # the parent's connection: leave it to the parent (closing it unregisters its memory)
+            self._closed = True
+            return
         with self._lock:
             if self._closed:
                 return

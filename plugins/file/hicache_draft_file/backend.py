@@ -746,9 +746,11 @@ class FileBackend(StorageBackend):
         for attempt in (0, 1):
             if not written:
                 return out
+            dropped: set[str] = set()  # discarded after a failed rename: closed, never touched again
             try:
-                moved = self._publish_once([ws for ws, _batch in written])
+                moved = self._publish_once([ws for ws, _batch in written], dropped)
             except OSError as exc:
+                written = [(ws, batch) for ws, batch in written if ws.name not in dropped]
                 if attempt == 0 and exc.errno in _NO_SPACE and self.opts.max_bytes is not None:
                     self._make_room(sum(ws.index.size for ws, _b in written), set())
                     continue
@@ -775,10 +777,11 @@ class FileBackend(StorageBackend):
             return out
         return out
 
-    def _publish_once(self, segments: list[WrittenSegment]) -> set[str]:
+    def _publish_once(self, segments: list[WrittenSegment], dropped: set[str]) -> set[str]:
         """Rename ``segments`` into ``seg/`` and append their journal record, under the shared
-        root lock. Returns the names renamed (a failed rename discards its segment); raises the
-        append's OSError once every renamed one is back in ``tmp/`` (or gone)."""
+        root lock. Returns the names renamed; a failed rename discards its segment and adds its
+        name to ``dropped``. Raises the append's OSError once every renamed one is back in
+        ``tmp/`` (or gone)."""
         moved: list[WrittenSegment] = []
         with self._root_lock(exclusive=False):
             for ws in segments:
@@ -794,6 +797,7 @@ class FileBackend(StorageBackend):
                             raise
                 except OSError as exc:
                     self._discard(ws)
+                    dropped.add(ws.name)
                     self._write_failed(exc, len(ws.index))
                     continue
                 moved.append(ws)

@@ -137,3 +137,47 @@ def test_a_failed_rename_fails_only_its_segments_pages(
     got = kit.read_back(open_store(), groups, N)
     ok = [i for i, (r, eq) in enumerate(got[PoolKind.KV]) if r is PageResult.OK and eq]
     assert ok == [i for i, r in enumerate(res[PoolKind.KV]) if r is PageResult.OK]
+
+
+@pytest.mark.parametrize("append_error", [errno.ENOSPC, errno.EIO])
+def test_a_segment_dropped_at_its_rename_is_never_discarded_twice(
+    open_store, kit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, append_error: int
+) -> None:
+    """A failed rename closes its segment's descriptor; a failing append after it (retried after
+    making room, or given up) must not close that number again: by then it may be another file's."""
+    store = open_store(io_threads=4, max_bytes=1 << 30)
+    real_rename, real_append = os.rename, Journal.append
+    refused: list[str] = []
+    appends: list[int] = []
+    discarded: list[str] = []
+    real_discard = file_backend.FileBackend._discard
+
+    def rename(src: str, dst: str, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None) -> None:
+        if not refused and str(dst).endswith(file_backend.SEGMENT_SUFFIX):
+            refused.append(str(dst))
+            raise OSError(errno.EIO, "Input/output error")
+        real_rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+
+    def append(self: Journal, op: object, names: list[str]) -> None:
+        appends.append(len(names))
+        if len(appends) == 1:
+            raise OSError(append_error, os.strerror(append_error))
+        real_append(self, op, names)
+
+    def discard(self: file_backend.FileBackend, ws: object) -> None:
+        discarded.append(ws.name)  # type: ignore[attr-defined]
+        real_discard(self, ws)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(file_backend.os, "rename", rename)
+    monkeypatch.setattr(Journal, "append", append)
+    monkeypatch.setattr(file_backend.FileBackend, "_discard", discard)
+    groups = [kit.group(i, 5) for i in range(GROUPS)]
+    res = store.page_set(kit.both(groups, N))
+    monkeypatch.undo()
+    assert len(discarded) == len(set(discarded)), f"a segment was discarded twice: {discarded}"
+    ok = sum(r is PageResult.OK for r in res[PoolKind.KV])
+    if append_error == errno.ENOSPC:  # room made, published once more: all but the refused segment
+        assert appends == [SEGMENTS - 1, SEGMENTS - 1] and ok == GROUPS - GROUPS // SEGMENTS
+    else:
+        assert appends == [SEGMENTS - 1] and ok == 0 and len(discarded) == SEGMENTS
+    assert kit.unfinished(store.backend, tmp_path / "store") == []

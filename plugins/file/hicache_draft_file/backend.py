@@ -302,6 +302,9 @@ class FileBackend(StorageBackend):
         queue its shares forever, and a lock some other thread held at the fork stays held."""
         self._lock = threading.RLock()
         self._fs_lock = threading.Lock()
+        journal = getattr(self, "_journal", None)  # None while the constructor has not made it yet
+        if journal is not None:
+            journal.after_fork_in_child()
         if self._pool is not None and not self._closed:
             self._pool = self._new_pool()
 

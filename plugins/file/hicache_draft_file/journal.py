@@ -116,6 +116,11 @@ class Journal:
         with self._mu:
             self._reopen()
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child: a new lock (one another thread of the parent held at the fork stays
+        held). The descriptor is the child's own copy; it stays usable."""
+        self._mu = threading.Lock()
+
     # -- descriptor (all under _mu) -------------------------------------------------------------
     def _drop_fd(self) -> None:
         fd, self.fd, self.ident = self.fd, -1, None

@@ -427,7 +427,7 @@ def test_a_forked_child_is_not_stopped_by_a_lock_another_thread_held_at_the_fork
     held, let_go = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with be._lock, be._fs_lock:  # a writer of the parent publishing a segment as the process forks
+        with be._lock, be._fs_lock, be._journal._mu:  # a writer of the parent publishing as the process forks
             held.set()
             let_go.wait(30.0)
 

@@ -470,9 +470,10 @@ def format_report(rep: dict[str, object]) -> str:
                 + (f" {g['hook']:>8.2f}GB {r[f'{op}_hook']:>9.2f}x" if "hook" in g else "")
                 + (f" {r[f'{op}_raw']:>8.2f}x {r[f'{op}_raw_threads']:>8.2f}x" if f"{op}_raw" in r else "")
             )
-            if r[f"{op}_zero_copy"] < r[f"{op}_goal"] and r.get(f"{op}_raw_threads", float("inf")) < r[f"{op}_goal"]:
+            floor = max(r.get(f"{op}_raw", float("inf")), r.get(f"{op}_raw_threads", float("inf")))
+            if r[f"{op}_zero_copy"] < r[f"{op}_goal"] and floor < r[f"{op}_goal"]:  # the better of the two floors
                 lines.append(f"{size:>6} {op:>4} goal {r[f'{op}_goal']:.1f}x is above this filesystem's floor "
-                             f"({max(r[f'{op}_raw'], r[f'{op}_raw_threads']):.2f}x) in this run")
+                             f"({floor:.2f}x) in this run")
 
     for row in rep["sizes"]:  # type: ignore[union-attr]
         if "rounds" in row:

@@ -98,6 +98,24 @@ def test_the_report_shows_the_filesystem_state_and_the_baseline() -> None:
     assert "1.20GB" in text and "1.70x" in text  # the threaded baseline and the ratio against it
 
 
+@pytest.mark.parametrize(("raw", "raw_threads", "said"), [
+    (3.04, 2.48, False),  # the 1-thread floor is above the goal (H100 host, one run): the goal is not out of reach
+    (2.48, 3.04, False),
+    (2.70, 2.48, True),  # both floors below the goal: say so, with the better one
+])
+def test_a_goal_is_called_out_of_reach_only_above_both_floors(raw: float, raw_threads: float, said: bool) -> None:
+    ratios = {"set_zero_copy": 2.13, "set_generic": 2.37, "set_goal": 3.0, "set_zero_copy_vs_threads": 3.5,
+              "set_raw": raw, "set_raw_threads": raw_threads,
+              "get_zero_copy": 2.48, "get_generic": 3.1, "get_goal": 1.5, "get_zero_copy_vs_threads": 5.6}
+    row = {"page_bytes": 65536, "gbps": {op: {"baseline": 1.0, "baseline_threads": 1.0, "zero_copy": 2.0,
+                                               "generic": 2.0} for op in ("set", "get")}, "ratios": ratios}
+    rep = {"quick": True, "batch": 128, "cpus": 16, "goals_met": False, "sizes": [row],
+           "exists": {"file_us_per_key": 0.1, "baseline_us_per_key": 2.0, "keys": 8.0}, "restart": []}
+    text = format_report(rep)
+    assert ("goal 3.0x is above this filesystem's floor (2.70x)" in text) is said
+    assert ("is above this filesystem's floor" in text) is said
+
+
 def test_the_reference_is_kept_per_filesystem(tmp_path: Path) -> None:
     store = tmp_path / "cache" / "refs.json"
     assert fs_settle.load_reference(tmp_path, store) is None

@@ -149,7 +149,8 @@ class _Outage:
 
 FORKED = (
     "this process is a fork of the one that opened the store, and the connection is that process's: calls "
-    "through it from here would break its calls, so every call here fails; open a new Store in this process"
+    "through it from here would break its calls, so every call here fails; use the store from a process "
+    "started with the 'spawn' or 'forkserver' method"
 )
 
 

@@ -132,11 +132,24 @@ def check_components(opts: MooncakeOptions) -> None:
         raise component_error(opts, "metadata server", opts.metadata_server, why)
 
 
+_client_pid: int | None = None  # the process that made a native client here (a forked child inherits the value)
+
+FORKED_OPEN = (
+    "mooncake backend: this process was forked from one that had a Mooncake client open, and Mooncake's "
+    "client does not work in such a child (a new one hung in setup); open the store in a process started "
+    "with the 'spawn' or 'forkserver' method, or before any Mooncake store is opened in the parent"
+)
+
+
 def new_client(opts: MooncakeOptions) -> Any:  # noqa: ANN401 (the native client has no type stubs)
     """A set-up ``MooncakeDistributedStore``; :class:`BackendSetupError` naming what to check.
 
     Bounded by about ``connect_timeout_s`` per checked component plus the time of ``setup``
-    itself (a few ms to tens of ms on a healthy store; see the module docstring)."""
+    itself (a few ms to tens of ms on a healthy store; see the module docstring). Refused at once
+    in a forked child of a process that had made one (it would hang there)."""
+    global _client_pid
+    if _client_pid is not None and _client_pid != os.getpid():
+        raise BackendSetupError(FORKED_OPEN)
     apply_env_defaults(opts)
     try:
         from mooncake.store import MooncakeDistributedStore
@@ -146,6 +159,7 @@ def new_client(opts: MooncakeOptions) -> Any:  # noqa: ANN401 (the native client
             "(needs Debian's libibverbs1: apt-get install libibverbs1) or 'hicache-draft-mooncake[cuda]'"
         ) from None
     check_components(opts)
+    _client_pid = os.getpid()
     store = MooncakeDistributedStore()
     if opts.shm:
         assert opts.shm_client_address is not None

@@ -9,7 +9,7 @@ from hicache_draft.pools import import_torch
 
 import_torch()  # quietly, before the modules that need it
 
-from hicache_draft.testing.fork import CHILD_OK, in_forked_child  # noqa: E402
+from hicache_draft.testing.fork import CHILD_FALSE, CHILD_HUNG, CHILD_OK, CHILD_RAISED, in_forked_child  # noqa: E402
 from hicache_draft.testing.memory import Faults, MemoryBackend  # noqa: E402
 from hicache_draft.testing.suite import (  # noqa: E402
     KIT_POOLS,
@@ -22,7 +22,10 @@ from hicache_draft.testing.suite import (  # noqa: E402
 )
 
 __all__ = [
+    "CHILD_FALSE",
+    "CHILD_HUNG",
     "CHILD_OK",
+    "CHILD_RAISED",
     "KIT_POOLS",
     "Case",
     "ConformanceSuite",

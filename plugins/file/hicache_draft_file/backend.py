@@ -299,9 +299,22 @@ class FileBackend(StorageBackend):
 
     def _after_fork_in_child(self) -> None:
         """A forked child has none of its parent's threads: the executor copied with the fork would
-        queue its shares forever, and a lock some other thread held at the fork stays held."""
+        queue its shares forever, and a lock some other thread held at the fork stays held. Its
+        copy of ROOT/lock's descriptor shares the parent's flock (one open file description): the
+        child's shared lock and unlock would turn the parent's exclusive lock into a shared one
+        and then release it, so the child opens the file again and locks on its own."""
         self._lock = threading.RLock()
         self._fs_lock = threading.Lock()
+        if getattr(self, "_lock_fd", -1) >= 0:  # (not yet opened while the constructor runs)
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)  # the child's copy only: the parent's lock stays
+            self._lock_fd = -1
+            try:
+                self._lock_fd = self._open_lock()
+            except (OSError, UnsafeEntry) as exc:
+                self.writable = False  # never publish without the root lock
+                log.error("file backend: a forked child could not open %s (%s); it stores nothing",
+                          self.layout.lock_file, exc)
         journal = getattr(self, "_journal", None)  # None while the constructor has not made it yet
         if journal is not None:
             journal.after_fork_in_child()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,6 +48,18 @@ def unfinished(backend: object, root: Path) -> list[str]:
     return sorted(p.name for p in (root / "tmp").iterdir() if p.name not in held)
 
 
+def flocked(path: Path) -> bool:
+    """Whether some open file description holds a flock on ``path`` (tried from a new one)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def read_back(store: Store, groups: list[str], n: int) -> dict[PoolKind, list[tuple[PageResult, bool]]]:
     """page_get of both pools: per page (result, bytes equal to what was written)."""
     ts = both(groups, n, fill=False)
@@ -60,7 +74,7 @@ def read_back(store: Store, groups: list[str], n: int) -> dict[PoolKind, list[tu
 @pytest.fixture
 def kit() -> SimpleNamespace:
     return SimpleNamespace(NS=NS, group=group, payload=payload, pages=pages, both=both, read_back=read_back,
-                           unfinished=unfinished)
+                           unfinished=unfinished, flocked=flocked)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ parallel paths (the tests stay fast); every test checks that more than one threa
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import random
 import threading
@@ -443,17 +442,6 @@ def test_a_forked_child_is_not_stopped_by_a_lock_another_thread_held_at_the_fork
     assert verdict == CHILD_OK, f"the forked child's calls failed or hung (code {verdict})"
 
 
-def _lock_is_free(lock_file: Path) -> bool:
-    fd = os.open(lock_file, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
-
-
 def test_a_forked_child_never_releases_the_parents_root_lock(tmp_path: Path, kit) -> None:
     """The child's copy of ROOT/lock's descriptor shared the parent's flock: the child's publish
     (a shared lock, then an unlock) turned the parent's exclusive lock shared and then released it,
@@ -471,14 +459,14 @@ def test_a_forked_child_never_releases_the_parents_root_lock(tmp_path: Path, kit
     t = threading.Thread(target=evict)
     t.start()
     try:
-        assert held.wait(10.0) and not _lock_is_free(lock_file)
+        assert held.wait(10.0) and kit.flocked(lock_file)
 
         def child() -> bool:  # waits for the parent's lock (its own call fails at its timeout)
             res = store.page_set(kit.both([kit.group(1, 3)], 4096))
             return res[PoolKind.KV] == [PageResult.FAILED]
 
         verdict = in_forked_child(child, timeout_s=60)
-        assert not _lock_is_free(lock_file), "the child released the parent's root lock"
+        assert kit.flocked(lock_file), "the child released the parent's root lock"
         assert verdict == CHILD_OK, f"the child published while the parent held the root lock (code {verdict})"
     finally:
         let_go.set()

@@ -3,7 +3,6 @@ reclaimed when their process dies, never used by a forked child, never created a
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 import sys
@@ -29,17 +28,6 @@ def _two_segments_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(file_backend, "_SPLIT_CORES", 4)
 
 
-def _flocked(path: Path) -> bool:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 def test_a_call_writes_into_the_files_claimed_after_the_one_before(
     open_store, kit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -51,7 +39,7 @@ def test_a_call_writes_into_the_files_claimed_after_the_one_before(
     held = be.spares.names()
     assert len(held) == 2  # as many as the call wrote segments
     tmp = tmp_path / "store" / "tmp"
-    assert all(_flocked(tmp / name) for name in held)  # a live writer's files: cleaners keep away
+    assert all(kit.flocked(tmp / name) for name in held)  # a live writer's files: cleaners keep away
     before = set(be.catalog.segments)
     claimed_in_call: list[str] = []
     real = segment_writer.claim_file

@@ -299,12 +299,16 @@ class FileBackend(StorageBackend):
 
     def _after_fork_in_child(self) -> None:
         """A forked child has none of its parent's threads: the executor copied with the fork would
-        queue its shares forever, and a lock some other thread held at the fork stays held. Its
-        copy of ROOT/lock's descriptor shares the parent's flock (one open file description): the
-        child's shared lock and unlock would turn the parent's exclusive lock into a shared one
-        and then release it, so the child opens the file again and locks on its own."""
+        queue its shares forever, a lock some other thread held at the fork stays held, and the
+        parent goes on naming segments with its writer id. Its copy of ROOT/lock's descriptor
+        shares the parent's flock (one open file description): the child's shared lock and unlock
+        would turn the parent's exclusive lock into a shared one and then release it, so the child
+        opens the file again and locks on its own."""
         self._lock = threading.RLock()
         self._fs_lock = threading.Lock()
+        # segment names are <writer>-<seq>: the parent goes on with its own, so the child takes a new
+        # writer id (the same names would have a later publish rename over the other's segment)
+        self._writer, self._seq = new_writer_id(), 0
         if getattr(self, "_lock_fd", -1) >= 0:  # (not yet opened while the constructor runs)
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)  # the child's copy only: the parent's lock stays

@@ -472,3 +472,23 @@ def test_a_forked_child_never_releases_the_parents_root_lock(tmp_path: Path, kit
         let_go.set()
         t.join()
         store.close()
+
+
+def test_a_forked_child_and_its_parent_never_write_the_same_segment_name(tmp_path: Path, open_store, kit) -> None:
+    """Segment names are <writer>-<seq>: a child that kept its parent's writer id named its next
+    segment as the parent then named its own, and the parent's publish renamed over the child's."""
+    store = open_store(tmp_path / "s")
+    first = [kit.group(i, 1) for i in range(4)]
+    assert store.page_set(kit.both(first, 4096))[PoolKind.KV] == [PageResult.OK] * 4
+    child_groups = [kit.group(i, 2) for i in range(4)]
+
+    def child() -> bool:
+        return store.page_set(kit.both(child_groups, 4096))[PoolKind.KV] == [PageResult.OK] * 4
+
+    assert in_forked_child(child) == CHILD_OK
+    parent_groups = [kit.group(i, 3 + k) for k in range(4) for i in range(4)]
+    for k in range(4):  # the parent's names go on past the ones the child used (spare files in between)
+        part = parent_groups[4 * k : 4 * k + 4]
+        assert store.page_set(kit.both(part, 4096))[PoolKind.KV] == [PageResult.OK] * 4
+    got = kit.read_back(open_store(tmp_path / "s"), first + child_groups + parent_groups, 4096)
+    assert all(pair == (PageResult.OK, True) for rows in got.values() for pair in rows), got

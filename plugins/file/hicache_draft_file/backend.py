@@ -272,7 +272,6 @@ class FileBackend(StorageBackend):
             SpareFiles(self.dirs, self._next_name, self._submit, self.workers, context.timeout_s, self._prealloc)
             if self.writable and self._pool is not None else None
         )
-        _LIVE.add(self)
         try:
             self._lock_fd = self._open_lock()
             self._journal = Journal(self.dirs.root_fd, JOURNAL_FILE, writable=self.writable)
@@ -285,6 +284,7 @@ class FileBackend(StorageBackend):
             self._recover()
         with self._lock:
             self._full_scan()
+        _LIVE.add(self)  # from here a fork gives the child threads, locks and names of its own
 
     def _new_pool(self) -> ThreadPoolExecutor | None:
         if self.workers <= 1:
@@ -309,7 +309,7 @@ class FileBackend(StorageBackend):
         # segment names are <writer>-<seq>: the parent goes on with its own, so the child takes a new
         # writer id (the same names would have a later publish rename over the other's segment)
         self._writer, self._seq = new_writer_id(), 0
-        if getattr(self, "_lock_fd", -1) >= 0:  # (not yet opened while the constructor runs)
+        if self._lock_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)  # the child's copy only: the parent's lock stays
             self._lock_fd = -1
@@ -319,9 +319,9 @@ class FileBackend(StorageBackend):
                 self.writable = False  # never publish without the root lock
                 log.error("file backend: a forked child could not open %s (%s); it stores nothing",
                           self.layout.lock_file, exc)
-        journal = getattr(self, "_journal", None)  # None while the constructor has not made it yet
-        if journal is not None:
-            journal.after_fork_in_child()
+        self._journal.after_fork_in_child()
+        if self.spares is not None:
+            self.spares.after_fork_in_child()
         if self._pool is not None and not self._closed:
             self._pool = self._new_pool()
 

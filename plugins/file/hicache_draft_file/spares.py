@@ -14,7 +14,7 @@ take them.
 A spare is an ordinary temp file of this process: a live writer's flock keeps other processes'
 stale-file cleaners away from it, and a process that dies leaves it to the next cleaner like an
 unfinished write. :meth:`SpareFiles.close` removes the spares; a forked child never uses its
-parent's (it forgets them, closing only its own descriptors).
+parent's (the backend's fork hook calls :meth:`SpareFiles.after_fork_in_child`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from hicache_draft_file.rootfs import RootDirs, UnsafeEntry
 from hicache_draft_file.segment_writer import claim_file
 from hicache_draft_file.vectored_io import preallocate
 
-log = logging.getLogger("hicache_draft.file")
+log = logging.getLogger("hicache_draft_file")
 
 # A spare is preallocated to the size of the last call's segments when they were at most this big
 # (the next call of the same shape then neither allocates nor truncates: on the H100 host fallocate
@@ -90,13 +90,9 @@ class SpareFiles:
         self._prealloc = prealloc
         self._pending = False
         self._closed = False
-        self._pid = os.getpid()  # the claiming process
-        self._forgotten = False  # (in a forked child) the parent's spares were let go
 
     def take(self) -> Claimed | None:
         """A spare file, or ``None`` (none left: the caller claims one itself)."""
-        if self._forked():
-            return None
         with self._mu:
             return self._files.pop() if self._files else None
 
@@ -109,8 +105,6 @@ class SpareFiles:
         """After a call that wrote ``used`` segments, the largest of ``size`` bytes: keep that many
         spares (at most the limit), claimed on an I/O thread, not in this one; new ones are
         preallocated to ``size`` when it is at most :data:`PREALLOC_MAX`."""
-        if self._forked():
-            return
         with self._mu:
             if self._closed:
                 return
@@ -163,8 +157,6 @@ class SpareFiles:
     def close(self) -> bool:
         """Remove every spare; ``False`` when a refill still ran after the timeout (then its
         directory descriptors must stay open: it may still be creating a file)."""
-        if self._forked():
-            return True
         with self._mu:
             self._closed = True
         if not self._busy.acquire(timeout=self._timeout_s):
@@ -185,18 +177,13 @@ class SpareFiles:
         with contextlib.suppress(OSError):
             os.close(c.fd)
 
-    def _forked(self) -> bool:
-        """Whether this is a forked child of the process that claimed the spares. The first time:
-        they are the parent's files, so close only this process's copies of their descriptors
-        (the parent's flocks stay) and never use them. No lock is taken: one the parent held
-        while forking stays held in the child."""
-        if self._pid == os.getpid():
-            return False
-        files, self._files, self._closed = self._files, [], True
+    def after_fork_in_child(self) -> None:
+        """In a forked child: the spares are the parent's files, so close only this process's
+        copies of their descriptors (the parent's flocks stay), never use them, and claim no more.
+        The locks are new: one the parent's refill held while forking stays held in the child."""
+        self._mu, self._busy = threading.Lock(), threading.Lock()
+        files, self._files = self._files, []
+        self._closed, self._pending = True, False
         for c in files:
             with contextlib.suppress(OSError):
                 os.close(c.fd)
-        self._pid = os.getpid()  # the claiming process
-        self._forgotten = False  # (in a forked child) the parent's spares were let go
-        return True
-

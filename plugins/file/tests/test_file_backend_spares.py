@@ -17,6 +17,7 @@ from hicache_draft_file import segment_writer, spares
 from hicache_draft_file.root_setup import prepare_root
 
 from hicache_draft import PageResult, PoolKind
+from hicache_draft.testing import CHILD_OK, in_forked_child
 
 N = 65536
 GROUPS = 64  # two pools of 64 x 64 KiB: 8 MiB, two segments with 4 I/O threads
@@ -131,13 +132,13 @@ def _spare_files(tmp_path: Path, timeout_s: float = 5.0) -> tuple[spares.SpareFi
     return sf, pool, dirs
 
 
-def test_a_forked_child_never_uses_or_removes_the_parents_spares(tmp_path: Path, monkeypatch) -> None:
+def test_a_forked_child_never_uses_or_removes_the_parents_spares(tmp_path: Path) -> None:
     sf, pool, dirs = _spare_files(tmp_path)
     sf.refill(3)
     assert sf.settle(10.0) and len(sf.names()) == 3
     held = sf.names()
     fds = [c.fd for c in sf._files]
-    monkeypatch.setattr(sf, "_pid", os.getpid() + 1)  # as seen from a child: another process claimed them
+    sf.after_fork_in_child()  # what the backend's fork hook runs in a child (a real fork: the test below)
     assert sf.take() is None
     sf.refill(3)
     assert sf.close() is True
@@ -172,3 +173,24 @@ def test_close_waits_for_a_running_claim_and_nothing_is_created_after(tmp_path: 
     assert list((tmp_path / "root" / "tmp").iterdir()) == []  # the late file was removed, no more made
     pool.shutdown()
     dirs.close()  # type: ignore[attr-defined]
+
+
+def test_a_real_forked_child_stores_without_the_parents_spares_and_leaves_them(open_store, kit, tmp_path: Path) -> None:
+    store = open_store(io_threads=4)
+    be = store.backend
+    first = [kit.group(i, 1) for i in range(GROUPS)]
+    assert store.page_set(kit.both(first, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
+    assert be.spares.settle(10.0)
+    held = be.spares.names()
+    assert held
+    tmp = tmp_path / "store" / "tmp"
+
+    def child() -> bool:
+        mine = [kit.group(i, 2) for i in range(GROUPS)]
+        ok = store.page_set(kit.both(mine, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
+        return ok and be.spares.take() is None and held <= {p.name for p in tmp.iterdir()}
+
+    assert in_forked_child(child) == CHILD_OK
+    assert be.spares.names() == held and all(kit.flocked(tmp / name) for name in held)  # still the parent's
+    third = [kit.group(i, 3) for i in range(GROUPS)]
+    assert store.page_set(kit.both(third, N))[PoolKind.KV] == [PageResult.OK] * GROUPS

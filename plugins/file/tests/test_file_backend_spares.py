@@ -16,7 +16,7 @@ from hicache_draft_file import backend as file_backend
 from hicache_draft_file import segment_writer, spares
 from hicache_draft_file.root_setup import prepare_root
 
-from hicache_draft import PageResult, PoolKind
+from hicache_draft import PageResult, PoolKind, Store
 from hicache_draft.testing import CHILD_OK, in_forked_child
 
 N = 65536
@@ -29,15 +29,21 @@ def _two_segments_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(file_backend, "_SPLIT_CORES", 4)
 
 
+def _one_call_stored(open_store, kit) -> tuple[Store, set[str]]:
+    """A store with 4 I/O threads after one call of GROUPS groups, its spare refill settled: the
+    store and the names of the spares it holds."""
+    store = open_store(io_threads=4)
+    first = [kit.group(i, 1) for i in range(GROUPS)]
+    assert store.page_set(kit.both(first, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
+    assert store.backend.spares.settle(10.0)
+    return store, store.backend.spares.names()
+
+
 def test_a_call_writes_into_the_files_claimed_after_the_one_before(
     open_store, kit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = open_store(io_threads=4)
+    store, held = _one_call_stored(open_store, kit)
     be = store.backend
-    first = [kit.group(i, 1) for i in range(GROUPS)]
-    assert store.page_set(kit.both(first, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
-    assert be.spares.settle(10.0)
-    held = be.spares.names()
     assert len(held) == 2  # as many as the call wrote segments
     tmp = tmp_path / "store" / "tmp"
     assert all(kit.flocked(tmp / name) for name in held)  # a live writer's files: cleaners keep away
@@ -55,7 +61,7 @@ def test_a_call_writes_into_the_files_claimed_after_the_one_before(
     new = set(be.catalog.segments) - before
     assert claimed_in_call == []  # no file created or recycled inside the call
     assert {f"{n}.{os.getpid()}.tmp" for n in new} == held  # the spares became the segments
-    got = kit.read_back(store, first + second, N)
+    got = kit.read_back(store, [kit.group(i, 1) for i in range(GROUPS)] + second, N)  # the first call's too
     assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
 
 
@@ -176,12 +182,8 @@ def test_close_waits_for_a_running_claim_and_nothing_is_created_after(tmp_path: 
 
 
 def test_a_real_forked_child_stores_without_the_parents_spares_and_leaves_them(open_store, kit, tmp_path: Path) -> None:
-    store = open_store(io_threads=4)
+    store, held = _one_call_stored(open_store, kit)
     be = store.backend
-    first = [kit.group(i, 1) for i in range(GROUPS)]
-    assert store.page_set(kit.both(first, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
-    assert be.spares.settle(10.0)
-    held = be.spares.names()
     assert held
     tmp = tmp_path / "store" / "tmp"
 

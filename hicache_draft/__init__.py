@@ -35,7 +35,7 @@ from hicache_draft.errors import (
     UnknownBackendError,
 )
 from hicache_draft.hookspecs import API_VERSION, hookimpl
-from hicache_draft.keys import make_key, page_hashes, pool_identities
+from hicache_draft.keys import hex_names_ok, make_key, page_hashes, pool_identities
 from hicache_draft.metrics import CallTimer, Metrics
 from hicache_draft.page_format import (
     HEADER_SIZE,
@@ -145,6 +145,7 @@ __all__ = [
     "load_config",
     "make_header",
     "make_headers",
+    "hex_names_ok",
     "make_key",
     "pack_page_headers",
     "corrupt_pages",

@@ -1481,6 +1481,12 @@ static PyObject *post_and_spin(PyObject *self, PyObject *args) {
     return PyBool_FromLong(got);
 }
 
+static int all_hex(const unsigned char *p, Py_ssize_t n) {
+    unsigned char bad = 0; /* branch-free, so the compiler checks many bytes at a time */
+    for (Py_ssize_t c = 0; c < n; c++) bad |= ((unsigned char)(p[c] - '0') > 9) & ((unsigned char)(p[c] - 'a') > 5);
+    return !bad;
+}
+
 /* lower_hex(keys) -> bool: whether every key is a non-empty str of lowercase hex digits (SGLang's
    page hashes are: each is then its own page group), in one branch-free pass over the bytes. */
 static PyObject *lower_hex(PyObject *self, PyObject *keys_in) {
@@ -1497,14 +1503,48 @@ static PyObject *lower_hex(PyObject *self, PyObject *keys_in) {
             ok = 0;
             break;
         }
-        unsigned char bad = len == 0; /* branch-free, so the compiler checks many bytes at a time */
-        for (Py_ssize_t c = 0; c < len; c++) {
-            unsigned char ch = (unsigned char)p[c];
-            bad |= ((unsigned char)(ch - '0') > 9) & ((unsigned char)(ch - 'a') > 5);
-        }
-        ok = !bad;
+        ok = len > 0 && all_hex((const unsigned char *)p, len);
     }
     Py_DECREF(keys);
+    return PyBool_FromLong(ok);
+}
+
+/* hex_names(names, left_max, right_max) -> bool: whether every name is a str of 1..left_max
+   lowercase hex digits (right_max 0), or (right_max > 0) two such runs joined by one dot, the
+   second of 1..right_max digits: storage keys "<hex>.<hex>" and page groups, checked in one pass
+   (a compiled regex over the joined names cost about 0.4 us a name). */
+static PyObject *hex_names(PyObject *self, PyObject *args) {
+    PyObject *names_in;
+    Py_ssize_t left_max, right_max;
+    if (!PyArg_ParseTuple(args, "Onn", &names_in, &left_max, &right_max)) return NULL;
+    PyObject *names = PySequence_Tuple(names_in);
+    if (names == NULL) return NULL;
+    Py_ssize_t n = PyTuple_Size(names);
+    int ok = n > 0;
+    for (Py_ssize_t i = 0; i < n && ok; i++) {
+        PyObject *k = PyTuple_GetItem(names, i);
+        Py_ssize_t len;
+        const char *p = PyUnicode_Check(k) ? PyUnicode_AsUTF8AndSize(k, &len) : NULL;
+        if (p == NULL) { /* not str, or not encodable: not a name */
+            PyErr_Clear();
+            ok = 0;
+            break;
+        }
+        Py_ssize_t dot = -1;
+        if (right_max > 0) {
+            const char *at = memchr(p, '.', (size_t)len);
+            if (at == NULL) { ok = 0; break; }
+            dot = at - p;
+            if (dot < 1 || dot > left_max || len - dot - 1 < 1 || len - dot - 1 > right_max) { ok = 0; break; }
+        } else if (len < 1 || len > left_max) {
+            ok = 0;
+            break;
+        }
+        /* a second dot (or any byte >= 0x80 of a non-ASCII name) is not a hex digit */
+        ok = dot < 0 ? all_hex((const unsigned char *)p, len)
+                     : all_hex((const unsigned char *)p, dot) && all_hex((const unsigned char *)p + dot + 1, len - dot - 1);
+    }
+    Py_DECREF(names);
     return PyBool_FromLong(ok);
 }
 
@@ -1549,6 +1589,9 @@ static PyMethodDef methods[] = {
      "seconds more for the ring to move (the caller has let go of the GIL)."},
     {"lower_hex", lower_hex, METH_O,
      "lower_hex(keys) -> whether every key is a non-empty str of lowercase hex digits."},
+    {"hex_names", hex_names, METH_VARARGS,
+     "hex_names(names, left_max, right_max) -> whether every name is 1..left_max lowercase hex digits, or with "
+     "right_max > 0 '<1..left_max hex>.<1..right_max hex>'."},
     {"with_headers", with_headers, METH_VARARGS,
      "with_headers(pages, base, owner, page_type, page_fields, buffer_type, buffer_fields) -> new pages, "
      "each with a HEADER_SIZE-byte header buffer at base + HEADER_SIZE * i."},

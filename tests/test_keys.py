@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_draft import Attention, Layout, PoolKind, make_key, page_hashes
+from hicache_draft import Attention, Layout, PoolKind, hex_names_ok, make_key, page_hashes
 from hicache_draft.keys import pool_identities
 
 tokens = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=64)
@@ -142,3 +143,34 @@ def test_lower_hex_checks_every_byte_of_long_keys():
         assert not _native.lower_hex([good, bad, good]), pos
     with pytest.raises(TypeError):
         _native.lower_hex(5)  # not a sequence of keys
+
+
+_HEX = "0123456789abcdef"
+_name = st.one_of(
+    st.text(max_size=40), st.text(_HEX + ".", max_size=40), st.text(_HEX + ".\n\x00A/é", max_size=40),
+    st.integers(), st.none(), st.binary(max_size=8),
+)
+
+
+def _oracle(names: list[object], left_max: int, right_max: int) -> bool:
+    """The rule written as a regex, one name at a time: the independent statement of what the
+    compiled check must answer."""
+    one = rf"[0-9a-f]{{1,{left_max}}}" + (rf"\.[0-9a-f]{{1,{right_max}}}" if right_max else "")
+    return bool(names) and all(isinstance(n, str) and re.fullmatch(one, n) is not None for n in names)
+
+
+@given(st.lists(_name, max_size=5), st.integers(1, 12), st.integers(0, 12))
+@settings(max_examples=600, deadline=None)
+def test_hex_names_ok_agrees_with_the_rule_as_a_regex(names: list[object], left_max: int, right_max: int) -> None:
+    assert hex_names_ok(names, left_max, right_max) is _oracle(names, left_max, right_max)
+
+
+def test_hex_names_ok_bounds_and_refusals() -> None:
+    assert hex_names_ok(["a" * 128 + "." + "b" * 126], 128, 126)
+    assert not hex_names_ok(["a" * 129 + "." + "b"], 128, 126)
+    assert not hex_names_ok(["a." + "b" * 127], 128, 126)
+    assert not hex_names_ok(["ab.cd\n"], 128, 126) and not hex_names_ok(["ab\x00"], 128)
+    assert not hex_names_ok(["a.b"], 128) and not hex_names_ok(["a.b.c"], 128, 126) and not hex_names_ok([], 4)
+    assert hex_names_ok(("ab", "cd"), 2) and hex_names_ok(iter(["ab"]), 2)  # any iterable of names
+    with pytest.raises(ValueError, match="left_max"):
+        hex_names_ok(["a"], 0)

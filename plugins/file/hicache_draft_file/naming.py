@@ -26,6 +26,8 @@ from pathlib import Path
 
 import xxhash
 
+from hicache_draft import hex_names_ok
+
 FORMAT_LINE = "hicache-draft-file 1\n"
 FANOUT = 256
 SEGMENT_SUFFIX = ".seg"
@@ -34,9 +36,8 @@ INTENT_FILE = "evict.intent"
 LOCK_FILE = "lock"
 MAX_KEY_LEN = 255
 MAX_GROUP_LEN = 128
+_NS_MAX = 126  # the part of a key after its dot
 
-_KEY_RE = re.compile(r"[0-9a-f]{1,128}\.[0-9a-f]{1,126}")
-_GROUP_RE = re.compile(r"[0-9a-f]{1,128}")
 _SEG_RE = re.compile(r"[0-9a-f]{16}-[0-9a-f]{8}")
 
 
@@ -46,7 +47,7 @@ def key_problem(key: object) -> str | None:
         return f"key must be a str, got {type(key).__name__}"
     if len(key) > MAX_KEY_LEN:
         return f"key is {len(key)} characters long (at most {MAX_KEY_LEN})"
-    if _KEY_RE.fullmatch(key) is None:
+    if not hex_names_ok([key], MAX_GROUP_LEN, _NS_MAX):
         return f"key {key[:80]!r} is not '<hex>.<hex>' (lowercase hex and one dot)"
     return None
 
@@ -55,7 +56,7 @@ def group_problem(group: object) -> str | None:
     """Why ``group`` is not a valid page group (``None`` when it is)."""
     if not isinstance(group, str):
         return f"group must be a str, got {type(group).__name__}"
-    if _GROUP_RE.fullmatch(group) is None:
+    if not hex_names_ok([group], MAX_GROUP_LEN):
         return f"group {group[:80]!r} is not lowercase hex of at most {MAX_GROUP_LEN} digits"
     return None
 
@@ -63,28 +64,13 @@ def group_problem(group: object) -> str | None:
 def page_names_ok(key: object, group: object) -> bool:
     """Whether both ``key`` and ``group`` are valid (the fast check; the ``*_problem`` functions
     say why not)."""
-    return (
-        isinstance(key, str) and isinstance(group, str) and len(key) <= MAX_KEY_LEN
-        and _KEY_RE.fullmatch(key) is not None and _GROUP_RE.fullmatch(group) is not None
-    )
-
-
-_KEYS_RE = re.compile(r"(?:[0-9a-f]{1,128}\.[0-9a-f]{1,126}\n)*[0-9a-f]{1,128}\.[0-9a-f]{1,126}")
-_GROUPS_RE = re.compile(r"(?:[0-9a-f]{1,128}\n)*[0-9a-f]{1,128}")
+    return all_names_ok([key], [group])  # type: ignore[list-item]
 
 
 def all_names_ok(keys: list[str], groups: list[str]) -> bool:
     """Whether every key and group is valid (:func:`page_names_ok` of each), in one compiled pass
-    over each list joined by newlines (no valid name holds one, and a name that does shows as a
-    line too many); False for an empty list or any that is not a str: check those one by one."""
-    try:
-        k, g = "\n".join(keys), "\n".join(groups)
-    except TypeError:
-        return False
-    return (
-        bool(keys) and k.count("\n") == len(keys) - 1 and g.count("\n") == len(groups) - 1
-        and _KEYS_RE.fullmatch(k) is not None and _GROUPS_RE.fullmatch(g) is not None
-    )
+    over each list; False for an empty list or any that is not a str: check those one by one."""
+    return hex_names_ok(keys, MAX_GROUP_LEN, _NS_MAX) and hex_names_ok(groups, MAX_GROUP_LEN)
 
 
 def is_segment_name(name: str) -> bool:

@@ -269,7 +269,8 @@ class FileBackend(StorageBackend):
         self._pool = self._new_pool()
         # files for the next call's segments, claimed by an I/O thread after each call (spares.py)
         self.spares: SpareFiles | None = (
-            SpareFiles(self.dirs, self._next_name, self._submit, self.workers, context.timeout_s, self._prealloc)
+            SpareFiles(self.dirs, self._next_name, self._submit, self.workers, context.timeout_s, self._prealloc,
+                       options.prefault_spares)
             if self.writable and self._pool is not None else None
         )
         try:

@@ -121,8 +121,10 @@ class RawBatch:
     of a call's pages goes to a new file of its own in one ``write_from`` (its pages' 64-byte headers,
     made beforehand and untimed, between the payloads, exactly the bytes the backend stores), and is
     read back with one ``read_into``; no checksum is made or checked, no header parsed, nothing
-    indexed or renamed. A store that keeps these bytes in files on this filesystem cannot do less
-    I/O, so ``baseline / raw`` (with as many threads) is the highest ratio any design can reach."""
+    indexed or renamed. A store that writes each call's bytes into new files on this filesystem
+    cannot do less I/O, so ``baseline / raw`` (with as many threads) is the highest ratio such a
+    design can reach; one that prepares its files between calls (the file backend's prefaulted
+    spares) can pass it on writes."""
 
     def __init__(self, root: Path, threads: int) -> None:
         self.root = root

@@ -380,8 +380,9 @@ BASELINE_NOTE = (
     "hook: the backend's own zero-copy hooks without a Store (set makes its headers, get parses headers and leaves "
     "payloads unverified: the core's verification is the difference to zero_copy); "
     "floor: the same bytes (headers made beforehand) in one write_from / read_into per call into one new file "
-    "(1 thread) or one per share of {threads} thread(s), nothing checked: the most any design can reach here "
-    "is baseline / floor, printed as the floor's ratio"
+    "(1 thread) or one per share of {threads} thread(s), nothing checked: the most a design that writes each call "
+    "into new files can reach here is baseline / floor, printed as the floor's ratio (the file backend writes into "
+    "files it prepared between calls, so its set can pass the floor)"
 )
 
 

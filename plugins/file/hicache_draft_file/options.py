@@ -34,6 +34,12 @@ class FileOptions(BaseModel):
     ``page_set`` into that many segment files written side by side (``preadv``/``pwritev`` release
     the GIL; buffered writes to one file are serialised by the kernel, so writes spread over files).
     ``None`` (default): ``os.cpu_count()``, at most 32. 1 does all I/O in the calling thread.
+    ``prefault_spares``: the spare segment files an I/O thread claims after each call for the next
+    one's segments (up to 16 MiB each) are also filled with zeros there, so the next call's write
+    overwrites pages already in the page cache instead of allocating them (PostgreSQL's
+    ``wal_init_zero`` does the same for new WAL files). It costs that background write of zeros; a
+    spare whose zeros reach the disk before it is used (a ``sync``, or 30 s idle) is written to the
+    disk twice. Never on an in-memory filesystem (tmpfs), where there is nothing to gain.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -50,6 +56,7 @@ class FileOptions(BaseModel):
     dedup: bool = True
     journal_max_records: int = Field(default=1 << 16, ge=16)
     io_threads: int | None = Field(default=None, ge=1, le=64)
+    prefault_spares: bool = True
 
     def workers(self) -> int:
         """The threads one call's I/O is spread over (``io_threads``, or sized from the machine)."""

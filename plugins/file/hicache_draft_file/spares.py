@@ -8,8 +8,14 @@ records themselves take 1.1-1.2 ms per file), and several writer threads creatin
 the directory. After a call, one of the backend's I/O threads claims as many files as that call
 wrote segments (:func:`~hicache_draft_file.segment_writer.claim_file`: a recycled file from
 ``free/`` or a new one, flocked while held, named after this process), preallocated to the size
-of that call's segments when they are small (:data:`PREALLOC_MAX`), and the next call's writers
-take them.
+of that call's segments when they are small (:data:`PREALLOC_MAX`) and, with ``prefault``, filled
+with zeros up to that size, and the next call's writers take them.
+
+Filling a spare with zeros there puts its pages in the page cache ahead of the call: the call's
+write then only copies into them, where a write into a new or preallocated file also allocates
+every page and its block bookkeeping. On the development VM (ext4) a 128 x 64 KiB ``page_set``
+behind a Store took 1.19-1.31x less time with prefaulted spares (30 alternating calls each, with
+and without a sync before each call).
 
 A spare is an ordinary temp file of this process: a live writer's flock keeps other processes'
 stale-file cleaners away from it, and a process that dies leaves it to the next cleaner like an
@@ -27,9 +33,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hicache_draft import write_from
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry
 from hicache_draft_file.segment_writer import claim_file
-from hicache_draft_file.vectored_io import preallocate
+from hicache_draft_file.vectored_io import WRITE_CHUNK, preallocate
 
 log = logging.getLogger("hicache_draft_file")
 
@@ -38,6 +45,7 @@ log = logging.getLogger("hicache_draft_file")
 # took 0.04-0.16 ms per 4 MiB segment inside the call). Larger segments are left empty: their
 # allocation is small beside their write, and a spare holds no disk space it may never use.
 PREALLOC_MAX = 16 << 20
+_ZEROS = memoryview(bytes(WRITE_CHUNK))  # one cached source for every prefault write
 
 
 @dataclass(frozen=True)
@@ -51,19 +59,23 @@ class Claimed:
     recycled: bool
 
 
-def claim(dirs: RootDirs, name: str, size: int = 0) -> Claimed:
+def claim(dirs: RootDirs, name: str, size: int = 0, prefault: bool = False) -> Claimed:
     """Claim a file for segment ``name`` now (see :func:`claim_file`), preallocated to at least
-    ``size`` bytes where the filesystem allows (its size is then that)."""
+    ``size`` bytes where the filesystem allows (its size is then that) and, with ``prefault``,
+    its first ``size`` bytes written with zeros (in the page cache when this returns)."""
     tmp, fd, old_size, recycled = claim_file(dirs, name)
-    if old_size < size:
-        try:
-            if preallocate(fd, size):
-                old_size = size
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dirs.tmp)
-            raise
+    try:
+        if old_size < size and preallocate(fd, size):
+            old_size = size
+        if prefault and size > 0:
+            whole, rest = divmod(size, len(_ZEROS))
+            write_from(fd, 0, [_ZEROS] * whole + ([_ZEROS[:rest]] if rest else []), chunk=WRITE_CHUNK)
+            old_size = max(old_size, size)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dirs.tmp)
+        raise
     return Claimed(name, tmp, fd, old_size, recycled)
 
 
@@ -76,7 +88,7 @@ class SpareFiles:
     most ``timeout_s``) before it removes the spares, so no file is created once it returned."""
 
     def __init__(self, dirs: RootDirs, new_name: Callable[[], str], submit: Callable[[Callable[[], None]], object],
-                 limit: int, timeout_s: float, prealloc: bool = True) -> None:
+                 limit: int, timeout_s: float, prealloc: bool = True, prefault: bool = False) -> None:
         self._dirs = dirs
         self._new_name = new_name
         self._submit = submit
@@ -88,6 +100,7 @@ class SpareFiles:
         self._target = 0
         self._size = 0  # bytes to preallocate each new spare to
         self._prealloc = prealloc
+        self._prefault = prefault and prealloc  # an in-memory filesystem has no page to fault in
         self._pending = False
         self._closed = False
 
@@ -129,7 +142,7 @@ class SpareFiles:
                         return
                     size = self._size
                 try:
-                    got = claim(self._dirs, self._new_name(), size)
+                    got = claim(self._dirs, self._new_name(), size, self._prefault)
                 except (OSError, UnsafeEntry) as exc:  # the write path claims (and reports) for itself
                     log.debug("file backend: no spare segment file: %s", exc)
                     return

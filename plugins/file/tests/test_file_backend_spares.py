@@ -1,5 +1,5 @@
-"""Spare segment files (spares.py): claimed after a call, written by the next one, removed at close,
-reclaimed when their process dies, never used by a forked child, never created after close."""
+"""Spare segment files (spares.py): claimed after a call, prefaulted, written by the next one, removed at
+close, reclaimed when their process dies, never used by a forked child, never created after close."""
 
 from __future__ import annotations
 
@@ -98,6 +98,60 @@ def test_spares_are_preallocated_so_a_call_of_the_same_shape_neither_allocates_n
         assert path.stat().st_size == seg.size
 
 
+def _cached(path: Path) -> bool:
+    """Whether every byte of ``path`` is in the page cache: a read that must not wait for the
+    disk or allocate (RWF_NOWAIT) gets it all."""
+    size = path.stat().st_size
+    buf = bytearray(size)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = os.preadv(fd, [buf], 0, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    assert buf == bytes(size)  # a spare holds zeros, never a page
+    return got == size
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_spares_are_prefaulted_into_the_page_cache_unless_told_not_to(
+    open_store, kit, tmp_path: Path, prefault: bool
+) -> None:
+    """With ``prefault_spares`` (the default) a spare's pages are in the page cache before the next
+    call writes over them; without, the spare is only preallocated (nothing cached)."""
+    store = open_store(io_threads=4, **({} if prefault else {"prefault_spares": False}))
+    assert store.backend._prealloc  # a block filesystem under tmp_path: tmpfs never prefaults
+    assert store.page_set(kit.both([kit.group(i, 1) for i in range(GROUPS)], N))[PoolKind.KV][0] is PageResult.OK
+    assert store.backend.spares.settle(10.0)
+    tmp = tmp_path / "store" / "tmp"
+    held = store.backend.spares.names()
+    assert len(held) == 2
+    assert all(_cached(tmp / n) is prefault for n in held)
+    groups = [kit.group(i, 2) for i in range(GROUPS)]  # written over the zeros: read back exactly
+    assert store.page_set(kit.both(groups, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
+    got = kit.read_back(store, groups, N)
+    assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+
+
+def test_a_prefault_that_fails_leaves_no_spare_and_the_call_claims_its_own(
+    open_store, kit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full filesystem while zero-filling a spare: the half-made spare is removed (nothing left
+    in ``tmp/``), and the next call claims its files itself and stores everything."""
+    def full(fd: int, offset: int, buffers: object, chunk: int) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(spares, "write_from", full)
+    store, held = _one_call_stored(open_store, kit)
+    assert held == set()
+    assert {p.name for p in (store.backend.root / "tmp").iterdir()} == set()
+    groups = [kit.group(i, 2) for i in range(GROUPS)]
+    assert store.page_set(kit.both(groups, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
+    got = kit.read_back(store, groups, N)
+    assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+
+
 def test_close_removes_the_spares(open_store, kit, tmp_path: Path) -> None:
     store = open_store(io_threads=4)
     assert store.page_set(kit.both([kit.group(i) for i in range(GROUPS)], N))[PoolKind.KV][0] is PageResult.OK
@@ -162,10 +216,10 @@ def test_close_waits_for_a_running_claim_and_nothing_is_created_after(tmp_path: 
     gate, entered = threading.Event(), threading.Event()
     real = spares.claim
 
-    def slow(d: object, name: str, size: int = 0) -> spares.Claimed:
+    def slow(d: object, name: str, size: int = 0, prefault: bool = False) -> spares.Claimed:
         entered.set()
         assert gate.wait(10.0)
-        return real(d, name, size)  # type: ignore[arg-type]
+        return real(d, name, size, prefault)  # type: ignore[arg-type]
 
     monkeypatch.setattr(spares, "claim", slow)
     sf.refill(2)

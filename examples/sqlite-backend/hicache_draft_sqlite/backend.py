@@ -11,6 +11,8 @@
   prefix page together) are evicted until the store fits; reads refresh a group's use.
 * Every call is bounded: SQLite's busy timeout is capped by the call's deadline, and a progress
   handler interrupts a statement that runs past it.
+* A forked child never uses or closes the parent's connections and does not open the file again:
+  every call there fails at once, saying why (see ``_after_fork_in_child``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import ClassVar
 
@@ -58,6 +61,19 @@ _EVERY_POOL = PoolCapability(
 )
 _IN_CHUNK = 256  # keys per "IN (...)" query (below every SQLite build's variable limit)
 _PROGRESS_STEPS = 2000  # SQLite VM steps between deadline checks
+_FORKED = (
+    "this process is a fork of the one that opened {path!r}: SQLite connections must not cross fork(), and "
+    "a new one here would share the parent's record of its file locks (what it writes could be lost), so "
+    "the store is unusable here; use it from a process started with the 'spawn' or 'forkserver' method"
+)
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 class SqliteBackend(StorageBackend):
@@ -84,10 +100,14 @@ class SqliteBackend(StorageBackend):
             raise BackendSetupError(f"backend 'sqlite': directory {folder!r} of path {self.path!r} does not exist")
         if os.path.isdir(self.path):
             raise BackendSetupError(f"backend 'sqlite': path {self.path!r} is a directory; name a database file")
+        if _file_id(self.path) in _INHERITED:
+            raise BackendSetupError("backend 'sqlite': " + _FORKED.format(path=self.path))
         self._local = threading.local()
         self._lock = threading.Lock()
         self._conns: list[sqlite3.Connection] = []
         self._closed = False
+        self._forked = False
+        _LIVE.add(self)  # before the first connection: a fork from here on must be seen
         try:
             conn = self._conn()
             conn.execute("PRAGMA page_size = 65536")  # takes effect in a new file only: big pages suit big BLOBs
@@ -108,6 +128,8 @@ class SqliteBackend(StorageBackend):
     # -- connections ---------------------------------------------------------------------------
     def _conn(self) -> sqlite3.Connection:
         """This thread's connection (the store calls hooks from a small worker pool)."""
+        if self._forked:
+            raise sqlite3.ProgrammingError(_FORKED.format(path=self.path))
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is not None:
             return conn
@@ -121,6 +143,24 @@ class SqliteBackend(StorageBackend):
         conn.execute(f"PRAGMA synchronous = {self.opts.synchronous.upper()}")
         self._local.conn = conn
         return conn
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child. SQLite keeps its file locks per process, and its record of them in
+        process memory that the fork copied: the parent's connections here hold none of the locks
+        SQLite believes they hold, and a new connection to the same file would share that record
+        (it takes no lock of its own, so a process that then closes the file last deletes the WAL
+        under it). So nothing here uses the file: every call fails at once (``_conn``), and a new
+        store on the file is refused. The parent's connections are kept, never closed: one that a
+        parent thread was using at the fork holds SQLite's mutex for good, and closing one could
+        roll back that thread's transaction in the WAL index the parent shares. A fresh lock: one
+        a parent thread held at the fork stays held."""
+        self._forked = True
+        self._lock = threading.Lock()
+        _PARENTS_CONNECTIONS.extend(self._conns)
+        self._conns = []
+        file = _file_id(self.path)
+        if file is not None and not self._closed:
+            _INHERITED.add(file)
 
     @contextlib.contextmanager
     def _bounded(self, conn: sqlite3.Connection, deadline: float) -> Iterator[None]:
@@ -337,8 +377,21 @@ class SqliteBackend(StorageBackend):
         with self._lock:
             self._closed = True
             conns, self._conns = self._conns, []
+        _LIVE.discard(self)
         for conn in conns:
             conn.interrupt()
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
 
+
+_LIVE: weakref.WeakSet[SqliteBackend] = weakref.WeakSet()  # stores not closed, for the at-fork hook
+_INHERITED: set[tuple[int, int]] = set()  # (device, inode) of files the parent process had open
+_PARENTS_CONNECTIONS: list[sqlite3.Connection] = []  # in a forked child: never used, never closed
+
+
+def _after_fork_in_child() -> None:
+    for backend in list(_LIVE):
+        backend._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -35,7 +35,7 @@ class FileOptions(BaseModel):
     the GIL; buffered writes to one file are serialised by the kernel, so writes spread over files).
     ``None`` (default): ``os.cpu_count()``, at most 32. 1 does all I/O in the calling thread.
     ``prefault_spares``: the spare segment files an I/O thread claims after each call for the next
-    one's segments (up to 16 MiB each) are also filled with zeros there, so the next call's write
+    one's segments (up to 16 MiB of them in all) are also filled with zeros there, so the next call's write
     overwrites pages already in the page cache instead of allocating them (PostgreSQL's
     ``wal_init_zero`` does the same for new WAL files). It costs that background write of zeros; a
     spare whose zeros reach the disk before it is used (a ``sync``, or 30 s idle) is written to the

@@ -9,7 +9,8 @@ the directory. After a call, one of the backend's I/O threads claims as many fil
 wrote segments (:func:`~hicache_draft_file.segment_writer.claim_file`: a recycled file from
 ``free/`` or a new one, flocked while held, named after this process), preallocated to the size
 of that call's segments when they are small (:data:`PREALLOC_MAX`) and, with ``prefault``, filled
-with zeros up to that size, and the next call's writers take them.
+with zeros up to that size when they are few and small enough to be ready before the next call
+(:data:`PREFAULT_MAX` in all), and the next call's writers take them.
 
 Filling a spare with zeros there puts its pages in the page cache ahead of the call: the call's
 write then only copies into them, where a write into a new or preallocated file also allocates
@@ -45,6 +46,11 @@ log = logging.getLogger("hicache_draft_file")
 # took 0.04-0.16 ms per 4 MiB segment inside the call). Larger segments are left empty: their
 # allocation is small beside their write, and a spare holds no disk space it may never use.
 PREALLOC_MAX = 16 << 20
+# Zeros a call's spares may hold in all (its segments' count times their size), or none is: a
+# refill runs on one thread, and zero-filling the spares of a 128 x 1 MiB call on a 16-thread host
+# (16 x 8 MiB) would take tens of milliseconds, longer than such a call, so most would not be ready
+# for the next one while they share its memory bandwidth. A bound by design, not measured.
+PREFAULT_MAX = 16 << 20
 _ZEROS = memoryview(bytes(WRITE_CHUNK))  # one cached source for every prefault write
 
 
@@ -99,6 +105,7 @@ class SpareFiles:
         self._files: list[Claimed] = []
         self._target = 0
         self._size = 0  # bytes to preallocate each new spare to
+        self._fill = False  # whether new spares are prefaulted (to _size)
         self._prealloc = prealloc
         self._prefault = prefault and prealloc  # an in-memory filesystem has no page to fault in
         self._pending = False
@@ -123,6 +130,7 @@ class SpareFiles:
                 return
             self._target = min(self._limit, max(self._target, used))
             self._size = size if self._prealloc and size <= PREALLOC_MAX else 0
+            self._fill = self._prefault and self._size * max(1, used) <= PREFAULT_MAX
             if self._pending or len(self._files) >= self._target:
                 return
             self._pending = True
@@ -140,9 +148,9 @@ class SpareFiles:
                 with self._mu:
                     if self._closed or len(self._files) >= self._target:
                         return
-                    size = self._size
+                    size, fill = self._size, self._fill
                 try:
-                    got = claim(self._dirs, self._new_name(), size, self._prefault)
+                    got = claim(self._dirs, self._new_name(), size, fill)
                 except (OSError, UnsafeEntry) as exc:  # the write path claims (and reports) for itself
                     log.debug("file backend: no spare segment file: %s", exc)
                     return

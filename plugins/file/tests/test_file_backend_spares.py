@@ -134,6 +134,18 @@ def test_spares_are_prefaulted_into_the_page_cache_unless_told_not_to(
     assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
 
 
+def test_spares_of_calls_too_large_to_prefault_in_time_are_only_preallocated(
+    open_store, kit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``PREFAULT_MAX`` of zeros for one call's spares (here two 4 MiB segments against a 4 MiB
+    bound) the refill prefaults none, as a refill that long would not be ready for the next call."""
+    monkeypatch.setattr(spares, "PREFAULT_MAX", 4 << 20)
+    store, held = _one_call_stored(open_store, kit)
+    tmp = tmp_path / "store" / "tmp"
+    assert len(held) == 2 and all((tmp / n).stat().st_blocks * 512 >= (tmp / n).stat().st_size for n in held)
+    assert not any(_cached(tmp / n) for n in held)
+
+
 def test_a_prefault_that_fails_leaves_no_spare_and_the_call_claims_its_own(
     open_store, kit, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,15 +8,17 @@ records themselves take 1.1-1.2 ms per file), and several writer threads creatin
 the directory. After a call, one of the backend's I/O threads claims as many files as that call
 wrote segments (:func:`~hicache_draft_file.segment_writer.claim_file`: a recycled file from
 ``free/`` or a new one, flocked while held, named after this process), preallocated to the size
-of that call's segments when they are small (:data:`PREALLOC_MAX`) and, with ``prefault``, filled
-with zeros up to that size when they are few and small enough to be ready before the next call
-(:data:`PREFAULT_MAX` in all), and the next call's writers take them.
+of that call's segments when they are small (:data:`PREALLOC_MAX`), and the next call's writers
+take them. With ``prefault`` (when they hold :data:`PREFAULT_MAX` at most in all), once every spare
+is claimed and can be taken, the same thread fills them with zeros one at a time, each out of the
+list while it is written, and a call takes a filled one first.
 
 Filling a spare with zeros there puts its pages in the page cache ahead of the call: the call's
 write then only copies into them, where a write into a new or preallocated file also allocates
-every page and its block bookkeeping. On the development VM (ext4) a 128 x 64 KiB ``page_set``
-behind a Store took 1.19-1.31x less time with prefaulted spares (30 alternating calls each, with
-and without a sync before each call).
+every page and its block bookkeeping. On the development VM (ext4), 128 x 64 KiB ``page_set``
+calls behind a Store against a store without prefaulting, paired per round: 1.15-1.20x with a sync
+before each call, 1.08-1.20x with the two stores' calls alternating back to back, 0.92-1.12x in
+bursts of two calls on one store, where the second call finds its spares still being filled.
 
 A spare is an ordinary temp file of this process: a live writer's flock keeps other processes'
 stale-file cleaners away from it, and a process that dies leaves it to the next cleaner like an
@@ -27,6 +29,7 @@ parent's (the backend's fork hook calls :meth:`SpareFiles.after_fork_in_child`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -63,31 +66,38 @@ class Claimed:
     fd: int
     old_size: int
     recycled: bool
+    prefaulted: bool = False
 
 
-def claim(dirs: RootDirs, name: str, size: int = 0, prefault: bool = False) -> Claimed:
+def claim(dirs: RootDirs, name: str, size: int = 0) -> Claimed:
     """Claim a file for segment ``name`` now (see :func:`claim_file`), preallocated to at least
-    ``size`` bytes where the filesystem allows (its size is then that) and, with ``prefault``,
-    its first ``size`` bytes written with zeros (in the page cache when this returns)."""
+    ``size`` bytes where the filesystem allows (its size is then that)."""
     tmp, fd, old_size, recycled = claim_file(dirs, name)
-    try:
-        if old_size < size and preallocate(fd, size):
-            old_size = size
-        if prefault and size > 0:
-            whole, rest = divmod(size, len(_ZEROS))
-            write_from(fd, 0, [_ZEROS] * whole + ([_ZEROS[:rest]] if rest else []), chunk=WRITE_CHUNK)
-            old_size = max(old_size, size)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dirs.tmp)
-        raise
+    if old_size < size:
+        try:
+            if preallocate(fd, size):
+                old_size = size
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dirs.tmp)
+            raise
     return Claimed(name, tmp, fd, old_size, recycled)
+
+
+def prefault(c: Claimed, size: int) -> Claimed:
+    """``c`` with its first ``size`` bytes written with zeros (in the page cache when this
+    returns); raises the write's OSError (the caller discards the file)."""
+    whole, rest = divmod(size, len(_ZEROS))
+    write_from(c.fd, 0, [_ZEROS] * whole + ([_ZEROS[:rest]] if rest else []), chunk=WRITE_CHUNK)
+    return dataclasses.replace(c, old_size=max(c.old_size, size), prefaulted=True)
 
 
 class SpareFiles:
     """Up to ``limit`` claimed files, refilled on an I/O thread (``submit``) after each call
-    that used some.
+    that used some: first every missing one is claimed and preallocated (a call right after can
+    take it), then, with ``prefault``, they are filled with zeros one at a time, each out of the
+    list while it is written; :meth:`take` gives a filled one first.
 
     ``new_name`` gives the next segment name (the backend's writer id and sequence). All methods
     are thread-safe; a refill runs on one thread at a time, and :meth:`close` waits for it (at
@@ -114,7 +124,11 @@ class SpareFiles:
     def take(self) -> Claimed | None:
         """A spare file, or ``None`` (none left: the caller claims one itself)."""
         with self._mu:
-            return self._files.pop() if self._files else None
+            files = self._files
+            for j in range(len(files) - 1, -1, -1):
+                if files[j].prefaulted:
+                    return files.pop(j)
+            return files.pop() if files else None
 
     def names(self) -> set[str]:
         """The names in ``tmp/`` of the spares held now."""
@@ -130,8 +144,8 @@ class SpareFiles:
                 return
             self._target = min(self._limit, max(self._target, used))
             self._size = size if self._prealloc and size <= PREALLOC_MAX else 0
-            self._fill = self._prefault and self._size * max(1, used) <= PREFAULT_MAX
-            if self._pending or len(self._files) >= self._target:
+            self._fill = self._prefault and 0 < self._size * max(1, used) <= PREFAULT_MAX
+            if self._pending or (len(self._files) >= self._target and not self._cold()):
                 return
             self._pending = True
         try:
@@ -140,26 +154,56 @@ class SpareFiles:
             with self._mu:
                 self._pending = False
 
+    def _cold(self) -> Claimed | None:
+        """A held spare still to be prefaulted (holds _mu)."""
+        if self._fill:
+            for c in self._files:
+                if not c.prefaulted:
+                    return c
+        return None
+
     def _run(self) -> None:
         with self._busy:
             with self._mu:
                 self._pending = False
-            while True:
+            while True:  # every missing spare claimed and preallocated: a call can take it at once
                 with self._mu:
-                    if self._closed or len(self._files) >= self._target:
+                    if self._closed:
                         return
-                    size, fill = self._size, self._fill
+                    if len(self._files) >= self._target:
+                        break
+                    size = self._size
                 try:
-                    got = claim(self._dirs, self._new_name(), size, fill)
+                    got = claim(self._dirs, self._new_name(), size)
                 except (OSError, UnsafeEntry) as exc:  # the write path claims (and reports) for itself
                     log.debug("file backend: no spare segment file: %s", exc)
                     return
+                if not self._keep(got):
+                    return
+            while True:  # then filled one at a time, out of the list while written (no call takes it)
                 with self._mu:
-                    if not self._closed:
-                        self._files.append(got)
-                        continue
-                self._discard(got)
-                return
+                    c = None if self._closed else self._cold()
+                    if c is None:
+                        return
+                    self._files.remove(c)
+                    size = self._size
+                try:
+                    c = prefault(c, size)
+                except OSError as exc:
+                    log.debug("file backend: a spare segment file was not prefaulted: %s", exc)
+                    self._discard(c)
+                    return
+                if not self._keep(c):
+                    return
+
+    def _keep(self, c: Claimed) -> bool:
+        """Hold ``c`` as a spare; after :meth:`close` it is removed instead (``False``)."""
+        with self._mu:
+            if not self._closed:
+                self._files.append(c)
+                return True
+        self._discard(c)
+        return False
 
     def settle(self, timeout_s: float) -> bool:
         """Wait until no refill is queued or running (tests and tools); ``False`` at the timeout."""

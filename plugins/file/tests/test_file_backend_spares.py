@@ -146,22 +146,55 @@ def test_spares_of_calls_too_large_to_prefault_in_time_are_only_preallocated(
     assert not any(_cached(tmp / n) for n in held)
 
 
-def test_a_prefault_that_fails_leaves_no_spare_and_the_call_claims_its_own(
+def test_a_prefault_that_fails_removes_that_spare_and_the_call_still_stores(
     open_store, kit, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A full filesystem while zero-filling a spare: the half-made spare is removed (nothing left
-    in ``tmp/``), and the next call claims its files itself and stores everything."""
+    """A full filesystem while zero-filling a spare: that spare is removed (no file left behind in
+    ``tmp/``), the others stay preallocated, and the next call stores everything."""
     def full(fd: int, offset: int, buffers: object, chunk: int) -> int:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(spares, "write_from", full)
     store, held = _one_call_stored(open_store, kit)
-    assert held == set()
-    assert {p.name for p in (store.backend.root / "tmp").iterdir()} == set()
+    assert len(held) == 1  # of two: the one being filled was dropped
+    assert {p.name for p in (store.backend.root / "tmp").iterdir()} == held
+    assert not any(c.prefaulted for c in store.backend.spares._files)
     groups = [kit.group(i, 2) for i in range(GROUPS)]
     assert store.page_set(kit.both(groups, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
     got = kit.read_back(store, groups, N)
     assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+
+
+def test_a_call_during_the_prefault_takes_a_preallocated_spare_never_the_one_being_filled(
+    open_store, kit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refill first makes every spare takeable (claimed, preallocated), then fills them one at
+    a time: a call that comes meanwhile takes the others, never the file being written with zeros,
+    and its pages read back exactly."""
+    gate, entered = threading.Event(), threading.Event()
+    real = spares.write_from
+
+    def held_up(fd: int, offset: int, buffers: object, chunk: int) -> int:
+        entered.set()
+        assert gate.wait(10.0)
+        return real(fd, offset, buffers, chunk=chunk)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(spares, "write_from", held_up)
+    store = open_store(io_threads=4)
+    be = store.backend
+    assert store.page_set(kit.both([kit.group(i, 1) for i in range(GROUPS)], N))[PoolKind.KV][0] is PageResult.OK
+    assert entered.wait(10.0)
+    waiting = be.spares.names()
+    assert len(waiting) == 1  # of two: the other is being filled, out of the list
+    groups = [kit.group(i, 2) for i in range(GROUPS)]
+    try:
+        assert store.page_set(kit.both(groups, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
+    finally:
+        gate.set()
+    assert be.spares.settle(10.0)
+    got = kit.read_back(store, groups, N)
+    assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+    assert not waiting & be.spares.names()  # the call took the preallocated one
 
 
 def test_close_removes_the_spares(open_store, kit, tmp_path: Path) -> None:
@@ -228,10 +261,10 @@ def test_close_waits_for_a_running_claim_and_nothing_is_created_after(tmp_path: 
     gate, entered = threading.Event(), threading.Event()
     real = spares.claim
 
-    def slow(d: object, name: str, size: int = 0, prefault: bool = False) -> spares.Claimed:
+    def slow(d: object, name: str, size: int = 0) -> spares.Claimed:
         entered.set()
         assert gate.wait(10.0)
-        return real(d, name, size, prefault)  # type: ignore[arg-type]
+        return real(d, name, size)  # type: ignore[arg-type]
 
     monkeypatch.setattr(spares, "claim", slow)
     sf.refill(2)

@@ -115,7 +115,7 @@ class SpareFiles:
         self._files: list[Claimed] = []
         self._target = 0
         self._size = 0  # bytes to preallocate each new spare to
-        self._fill = False  # whether new spares are prefaulted (to _size)
+        self._fill = False  # whether held spares are prefaulted (to _size)
         self._prealloc = prealloc
         self._prefault = prefault and prealloc  # an in-memory filesystem has no page to fault in
         self._pending = False

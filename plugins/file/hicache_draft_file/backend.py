@@ -626,8 +626,9 @@ class FileBackend(StorageBackend):
         self._maybe_evict(set(published))
         if self.spares is not None and batches:
             with self._lock:
-                made = [seg.size for n in published if (seg := self.catalog.segments.get(n)) is not None]
-            self.spares.refill(len(batches), max(made, default=0))
+                made = [seg.index for n in published if (seg := self.catalog.segments.get(n)) is not None]
+            self.spares.refill(len(batches), max((i.size for i in made), default=0),
+                               min((i.data_end for i in made), default=0))
         return results
 
     def _spread(self, fn: Callable[[list], None], work: list, weights: Sequence[int], share_min: int) -> None:

@@ -39,7 +39,11 @@ class FileOptions(BaseModel):
     overwrites pages already in the page cache instead of allocating them (PostgreSQL's
     ``wal_init_zero`` does the same for new WAL files). It costs that background write of zeros; a
     spare whose zeros reach the disk before it is used (a ``sync``, or 30 s idle) is written to the
-    disk twice. Never on an in-memory filesystem (tmpfs), where there is nothing to gain.
+    disk twice. Never on an in-memory filesystem (tmpfs), where there is nothing to gain. Off by
+    default: on the development VM a 128 x 64 KiB call was 1.21-1.24x as fast when its spares were
+    still cached, but 0.83-0.88x when their pages had been dropped from the cache before the call,
+    and ``file bench`` (which drops the cache between rounds) showed 0.90-1.06x; not yet measured on
+    a GPU host (``file bench`` prints the ratio).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -56,7 +60,7 @@ class FileOptions(BaseModel):
     dedup: bool = True
     journal_max_records: int = Field(default=1 << 16, ge=16)
     io_threads: int | None = Field(default=None, ge=1, le=64)
-    prefault_spares: bool = True
+    prefault_spares: bool = False
 
     def workers(self) -> int:
         """The threads one call's I/O is spread over (``io_threads``, or sized from the machine)."""

@@ -16,9 +16,11 @@ list while it is written, and a call takes a filled one first.
 Filling a spare with zeros there puts its pages in the page cache ahead of the call: the call's
 write then only copies into them, where a write into a new or preallocated file also allocates
 every page and its block bookkeeping. On the development VM (ext4), 128 x 64 KiB ``page_set``
-calls behind a Store against a store without prefaulting, paired per round: 1.15-1.20x with a sync
-before each call, 1.08-1.20x with the two stores' calls alternating back to back, 0.92-1.12x in
-bursts of two calls on one store, where the second call finds its spares still being filled.
+calls behind a Store against a store without prefaulting, paired per round: 1.15-1.24x with a sync
+before each call, 1.08-1.20x with the two stores' calls alternating back to back, 0.92-1.29x in
+bursts on one store (a call may find its spares still being filled), but 0.83-0.88x when the
+spares' pages had been dropped from the cache before the call (written zeros, no longer cached,
+cost more to write over than preallocated blocks). So it is off by default (``prefault_spares``).
 
 A spare is an ordinary temp file of this process: a live writer's flock keeps other processes'
 stale-file cleaners away from it, and a process that dies leaves it to the next cleaner like an
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import mmap
 import os
 import threading
 import time
@@ -55,6 +58,15 @@ PREALLOC_MAX = 16 << 20
 # for the next one while they share its memory bandwidth. A bound by design, not measured.
 PREFAULT_MAX = 16 << 20
 _ZEROS = memoryview(bytes(WRITE_CHUNK))  # one cached source for every prefault write
+# A spare is prefaulted in whole pages up to where the last call's records ended, never further:
+# once its zeros were written back and its pages dropped from the cache (memory pressure, or the
+# benchmark's drop between rounds), a write that covers part of a page of written blocks must
+# first read that page from the disk, where a part-page write into a preallocated (unwritten)
+# block reads nothing. The records start at a page and are written in whole pages except where
+# they end; the footer ends mid-page. On the VM a call whose spare had been dropped was 0.83x as
+# fast as one into a preallocated spare with the whole file zero-filled, 0.88x with this bound (30
+# paired calls each): that read is part of the cost of a dropped spare, not all of it.
+PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,8 @@ def prefault(c: Claimed, size: int) -> Claimed:
     """``c`` with its first ``size`` bytes written with zeros (in the page cache when this
     returns); raises the write's OSError (the caller discards the file)."""
     whole, rest = divmod(size, len(_ZEROS))
+    if not size:
+        return dataclasses.replace(c, prefaulted=True)
     write_from(c.fd, 0, [_ZEROS] * whole + ([_ZEROS[:rest]] if rest else []), chunk=WRITE_CHUNK)
     return dataclasses.replace(c, old_size=max(c.old_size, size), prefaulted=True)
 
@@ -115,7 +129,8 @@ class SpareFiles:
         self._files: list[Claimed] = []
         self._target = 0
         self._size = 0  # bytes to preallocate each new spare to
-        self._fill = False  # whether held spares are prefaulted (to _size)
+        self._fill = False  # whether held spares are prefaulted (to _fill_to)
+        self._fill_to = 0
         self._prealloc = prealloc
         self._prefault = prefault and prealloc  # an in-memory filesystem has no page to fault in
         self._pending = False
@@ -135,16 +150,19 @@ class SpareFiles:
         with self._mu:
             return {c.tmp_name for c in self._files}
 
-    def refill(self, used: int, size: int = 0) -> None:
-        """After a call that wrote ``used`` segments, the largest of ``size`` bytes: keep that many
-        spares (at most the limit), claimed on an I/O thread, not in this one; new ones are
-        preallocated to ``size`` when it is at most :data:`PREALLOC_MAX`."""
+    def refill(self, used: int, size: int = 0, records_end: int = 0) -> None:
+        """After a call that wrote ``used`` segments, the largest of ``size`` bytes, the shortest
+        of whose records ended at ``records_end``: keep that many spares (at most the limit),
+        claimed on an I/O thread, not in this one; new ones are preallocated to ``size`` when it
+        is at most :data:`PREALLOC_MAX`, and prefaulted (see :data:`PAGE`) when they hold
+        :data:`PREFAULT_MAX` at most in all."""
         with self._mu:
             if self._closed:
                 return
             self._target = min(self._limit, max(self._target, used))
             self._size = size if self._prealloc and size <= PREALLOC_MAX else 0
             self._fill = self._prefault and 0 < self._size * max(1, used) <= PREFAULT_MAX
+            self._fill_to = min(records_end, self._size) // PAGE * PAGE
             if self._pending or (len(self._files) >= self._target and not self._cold()):
                 return
             self._pending = True
@@ -186,7 +204,7 @@ class SpareFiles:
                     if c is None:
                         return
                     self._files.remove(c)
-                    size = self._size
+                    size = self._fill_to
                 try:
                     c = prefault(c, size)
                 except OSError as exc:

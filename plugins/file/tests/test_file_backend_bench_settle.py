@@ -96,6 +96,10 @@ def test_the_report_shows_the_filesystem_state_and_the_baseline() -> None:
     assert "DID NOT SETTLE" in text and "9 us" in text and "11 us after" in text and "earlier runs: 7 us" in text
     assert "20 rounds counted, 3 excluded" in text and "baseline: x" in text
     assert "1.20GB" in text and "1.70x" in text  # the threaded baseline and the ratio against it
+    assert "prefaulted spares" not in text  # a report from before the prefault A/B
+    row["ratios"]["set_prefault_gain"] = 1.23
+    text = format_report(rep)
+    assert "zero_copy set with prefaulted spares (prefault_spares = true) 1.23x as fast as without" in text
 
 
 @pytest.mark.parametrize(("raw", "raw_threads", "said"), [

@@ -3,6 +3,8 @@ close, reclaimed when their process dies, never used by a forked child, never cr
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import subprocess
 import sys
@@ -29,10 +31,10 @@ def _two_segments_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(file_backend, "_SPLIT_CORES", 4)
 
 
-def _one_call_stored(open_store, kit) -> tuple[Store, set[str]]:
+def _one_call_stored(open_store, kit, **options: object) -> tuple[Store, set[str]]:
     """A store with 4 I/O threads after one call of GROUPS groups, its spare refill settled: the
     store and the names of the spares it holds."""
-    store = open_store(io_threads=4)
+    store = open_store(io_threads=4, **options)
     first = [kit.group(i, 1) for i in range(GROUPS)]
     assert store.page_set(kit.both(first, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
     assert store.backend.spares.settle(10.0)
@@ -98,36 +100,48 @@ def test_spares_are_preallocated_so_a_call_of_the_same_shape_neither_allocates_n
         assert path.stat().st_size == seg.size
 
 
-def _cached(path: Path) -> bool:
-    """Whether every byte of ``path`` is in the page cache: a read that must not wait for the
-    disk or allocate (RWF_NOWAIT) gets it all."""
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+def _resident(path: Path, start: int = 0, end: int | None = None) -> list[bool]:
+    """Per page of bytes ``start`` to ``end`` (the file's end) of ``path``: whether it is in the
+    page cache (``mincore`` over a shared mapping of the file; mapping it faults nothing in)."""
     size = path.stat().st_size
-    buf = bytearray(size)
-    fd = os.open(path, os.O_RDONLY)
+    end = size if end is None else end
+    fd = os.open(path, os.O_RDWR)
     try:
-        got = os.preadv(fd, [buf], 0, os.RWF_NOWAIT)
-    except BlockingIOError:
-        return False
+        m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    assert buf == bytes(size)  # a spare holds zeros, never a page
-    return got == size
+    try:
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))  # the export ends with the temporary
+        vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
+        assert _LIBC.mincore(base, size, vec) == 0, os.strerror(ctypes.get_errno())
+        return [bool(v & 1) for v in vec[start // mmap.PAGESIZE : -(-end // mmap.PAGESIZE)]]
+    finally:
+        m.close()
 
 
 @pytest.mark.parametrize("prefault", [True, False])
-def test_spares_are_prefaulted_into_the_page_cache_unless_told_not_to(
+def test_spares_are_prefaulted_into_the_page_cache_when_asked(
     open_store, kit, tmp_path: Path, prefault: bool
 ) -> None:
-    """With ``prefault_spares`` (the default) a spare's pages are in the page cache before the next
-    call writes over them; without, the spare is only preallocated (nothing cached)."""
-    store = open_store(io_threads=4, **({} if prefault else {"prefault_spares": False}))
+    """With ``prefault_spares`` (off by default) a spare's pages are in the page cache, up to where the
+    last call's records ended, before the next call writes over them; without, the spare is only
+    preallocated (nothing cached)."""
+    store = open_store(io_threads=4, **({"prefault_spares": True} if prefault else {}))
     assert store.backend._prealloc  # a block filesystem under tmp_path: tmpfs never prefaults
     assert store.page_set(kit.both([kit.group(i, 1) for i in range(GROUPS)], N))[PoolKind.KV][0] is PageResult.OK
     assert store.backend.spares.settle(10.0)
     tmp = tmp_path / "store" / "tmp"
     held = store.backend.spares.names()
     assert len(held) == 2
-    assert all(_cached(tmp / n) is prefault for n in held)
+    records_end = min(seg.index.data_end for seg in store.backend.catalog.segments.values())
+    for n in held:
+        assert set(_resident(tmp / n, 0, records_end)) == {prefault}
+        # never past where the records ended: a footer written there later never reads a page back
+        assert not any(_resident(tmp / n, records_end))
     groups = [kit.group(i, 2) for i in range(GROUPS)]  # written over the zeros: read back exactly
     assert store.page_set(kit.both(groups, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
     got = kit.read_back(store, groups, N)
@@ -140,10 +154,10 @@ def test_spares_of_calls_too_large_to_prefault_in_time_are_only_preallocated(
     """Past ``PREFAULT_MAX`` of zeros for one call's spares (here two 4 MiB segments against a 4 MiB
     bound) the refill prefaults none, as a refill that long would not be ready for the next call."""
     monkeypatch.setattr(spares, "PREFAULT_MAX", 4 << 20)
-    store, held = _one_call_stored(open_store, kit)
+    store, held = _one_call_stored(open_store, kit, prefault_spares=True)
     tmp = tmp_path / "store" / "tmp"
     assert len(held) == 2 and all((tmp / n).stat().st_blocks * 512 >= (tmp / n).stat().st_size for n in held)
-    assert not any(_cached(tmp / n) for n in held)
+    assert not any(any(_resident(tmp / n)) for n in held)
 
 
 def test_a_prefault_that_fails_removes_that_spare_and_the_call_still_stores(
@@ -155,7 +169,7 @@ def test_a_prefault_that_fails_removes_that_spare_and_the_call_still_stores(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(spares, "write_from", full)
-    store, held = _one_call_stored(open_store, kit)
+    store, held = _one_call_stored(open_store, kit, prefault_spares=True)
     assert len(held) == 1  # of two: the one being filled was dropped
     assert {p.name for p in (store.backend.root / "tmp").iterdir()} == held
     assert not any(c.prefaulted for c in store.backend.spares._files)
@@ -180,7 +194,7 @@ def test_a_call_during_the_prefault_takes_a_preallocated_spare_never_the_one_bei
         return real(fd, offset, buffers, chunk=chunk)  # type: ignore[arg-type]
 
     monkeypatch.setattr(spares, "write_from", held_up)
-    store = open_store(io_threads=4)
+    store = open_store(io_threads=4, prefault_spares=True)
     be = store.backend
     assert store.page_set(kit.both([kit.group(i, 1) for i in range(GROUPS)], N))[PoolKind.KV][0] is PageResult.OK
     assert entered.wait(10.0)

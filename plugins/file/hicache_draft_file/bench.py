@@ -198,21 +198,19 @@ def bench_size(
     times: dict[str, dict[str, list[float]]] = {"set": {}, "get": {}}
 
     # Page lists are built before the clock starts: making them is the controller's work.
-    def zc_set(keys: list[str]) -> Callable[[], int]:
+    def zc_set(keys: list[str], st: Store = backend) -> Callable[[], int]:
         t = [PageTransfer(PoolKind.KV, _zero_copy_pages(pool, keys), True)]
-        return lambda: _ok(backend.page_set(t))
+        return lambda: _ok(st.page_set(t))
 
-    def zc_get(keys: list[str]) -> Callable[[], int]:
+    def zc_get(keys: list[str], st: Store = backend) -> Callable[[], int]:
         t = [PageTransfer(PoolKind.KV, _zero_copy_pages(dest_pool, keys), True)]
-        return lambda: _ok(backend.page_get(t)[0])
+        return lambda: _ok(st.page_get(t)[0])
 
     def pf_set(keys: list[str]) -> Callable[[], int]:
-        t = [PageTransfer(PoolKind.KV, _zero_copy_pages(pool, keys), True)]
-        return lambda: _ok(prefaulted.page_set(t))
+        return zc_set(keys, prefaulted)
 
     def pf_get(keys: list[str]) -> Callable[[], int]:
-        t = [PageTransfer(PoolKind.KV, _zero_copy_pages(dest_pool, keys), True)]
-        return lambda: _ok(prefaulted.page_get(t)[0])
+        return zc_get(keys, prefaulted)
 
     def gen_set(keys: list[str]) -> Callable[[], int]:
         t = [PageTransfer(PoolKind.KV, _generic_pages(staging, page_bytes, keys), False)]

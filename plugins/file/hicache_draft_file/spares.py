@@ -100,9 +100,9 @@ def claim(dirs: RootDirs, name: str, size: int = 0) -> Claimed:
 def prefault(c: Claimed, size: int) -> Claimed:
     """``c`` with its first ``size`` bytes written with zeros (in the page cache when this
     returns); raises the write's OSError (the caller discards the file)."""
-    whole, rest = divmod(size, len(_ZEROS))
     if not size:
         return dataclasses.replace(c, prefaulted=True)
+    whole, rest = divmod(size, len(_ZEROS))
     write_from(c.fd, 0, [_ZEROS] * whole + ([_ZEROS[:rest]] if rest else []), chunk=WRITE_CHUNK)
     return dataclasses.replace(c, old_size=max(c.old_size, size), prefaulted=True)
 

@@ -41,6 +41,17 @@ def _one_call_stored(open_store, kit, **options: object) -> tuple[Store, set[str
     return store, store.backend.spares.names()
 
 
+def _stores(store: Store, kit, groups: list[str]) -> None:
+    """Store both pools' pages of ``groups`` in one call: every page answered OK."""
+    assert store.page_set(kit.both(groups, N))[PoolKind.KV] == [PageResult.OK] * len(groups)
+
+
+def _reads_back_exactly(store: Store, kit, groups: list[str]) -> None:
+    """Every page of ``groups``, both pools, reads back OK and equal to what was stored."""
+    got = kit.read_back(store, groups, N)
+    assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+
+
 def test_a_call_writes_into_the_files_claimed_after_the_one_before(
     open_store, kit, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -91,9 +102,8 @@ def test_spares_are_preallocated_so_a_call_of_the_same_shape_neither_allocates_n
     for count, tag in ((GROUPS // 4, 3), (GROUPS * 2, 4)):
         assert be.spares.settle(10.0)
         groups = [kit.group(i, tag) for i in range(count)]
-        assert store.page_set(kit.both(groups, N))[PoolKind.KV] == [PageResult.OK] * count
-        got = kit.read_back(store, groups, N)
-        assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+        _stores(store, kit, groups)
+        _reads_back_exactly(store, kit, groups)
     for seg in be.catalog.segments.values():
         fan = tmp_path / "store" / "seg"
         (path,) = fan.glob(f"*/{seg.name}.seg")
@@ -143,9 +153,8 @@ def test_spares_are_prefaulted_into_the_page_cache_when_asked(
         # never past where the records ended: a footer written there later never reads a page back
         assert not any(_resident(tmp / n, records_end))
     groups = [kit.group(i, 2) for i in range(GROUPS)]  # written over the zeros: read back exactly
-    assert store.page_set(kit.both(groups, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
-    got = kit.read_back(store, groups, N)
-    assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+    _stores(store, kit, groups)
+    _reads_back_exactly(store, kit, groups)
 
 
 def test_spares_of_calls_too_large_to_prefault_in_time_are_only_preallocated(
@@ -174,9 +183,8 @@ def test_a_prefault_that_fails_removes_that_spare_and_the_call_still_stores(
     assert {p.name for p in (store.backend.root / "tmp").iterdir()} == held
     assert not any(c.prefaulted for c in store.backend.spares._files)
     groups = [kit.group(i, 2) for i in range(GROUPS)]
-    assert store.page_set(kit.both(groups, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
-    got = kit.read_back(store, groups, N)
-    assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+    _stores(store, kit, groups)
+    _reads_back_exactly(store, kit, groups)
 
 
 def test_a_call_during_the_prefault_takes_a_preallocated_spare_never_the_one_being_filled(
@@ -202,12 +210,11 @@ def test_a_call_during_the_prefault_takes_a_preallocated_spare_never_the_one_bei
     assert len(waiting) == 1  # of two: the other is being filled, out of the list
     groups = [kit.group(i, 2) for i in range(GROUPS)]
     try:
-        assert store.page_set(kit.both(groups, N))[PoolKind.KV] == [PageResult.OK] * GROUPS
+        _stores(store, kit, groups)
     finally:
         gate.set()
     assert be.spares.settle(10.0)
-    got = kit.read_back(store, groups, N)
-    assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+    _reads_back_exactly(store, kit, groups)
     assert not waiting & be.spares.names()  # the call took the preallocated one
 
 

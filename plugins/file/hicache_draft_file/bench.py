@@ -20,7 +20,10 @@ KV-cache backups sees, and where per-file syscalls are what differ between desig
 round has been measured its files are dropped from the page cache (``POSIX_FADV_DONTNEED``, also
 untimed): the development VM caps the page cache near 1 GB, and past that every new cached page
 costs a reclaim, so without the drop the later 1 MiB rounds measure reclaim (about 0.4 GB/s for
-any design) instead of the store.
+any design) instead of the store. The file backends' spare segment files are kept (each backend's
+refill has ended by then): they are not the round's pages but what a backend prepared for its next
+call, at most 16 MiB each, and dropping them would measure a backend whose memory is reclaimed
+between every two calls, which no page-cache LRU does to files written milliseconds before.
 
 Both designs see the same page lists, built before the clock starts, and the same cache state: the
 methods take turns in a rotating order, each writes fresh keys, and all read back after one sync.
@@ -36,7 +39,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -161,13 +164,32 @@ def _ok(res: dict[PoolKind, list[PageResult]]) -> int:
     return sum(r is PageResult.OK for r in res[PoolKind.KV])
 
 
-def _drop_cache(root: Path) -> None:
-    """Ask the kernel to drop the (clean, synced) cached pages of every file under ``root``."""
+def _spare_files(*stores: Store) -> set[str]:
+    """The real paths of the stores' spare segment files, once their refills have ended: they are
+    not this round's pages but what each backend prepared for its next call."""
+    out: set[str] = set()
+    for st in stores:
+        b = st.backend
+        spares = getattr(b, "spares", None)
+        if spares is None:
+            continue
+        spares.settle(5.0)
+        tmp = os.path.realpath(b.layout.tmp)  # type: ignore[attr-defined]
+        out.update(os.path.join(tmp, n) for n in spares.names())
+    return out
+
+
+def _drop_cache(root: Path, keep: Container[str] = ()) -> None:
+    """Ask the kernel to drop the (clean, synced) cached pages of every file under ``root`` but
+    those in ``keep`` (real paths)."""
     os.sync()
-    for dirpath, _dirs, files in os.walk(root):
+    for dirpath, _dirs, files in os.walk(os.path.realpath(root)):
         for f in files:
+            path = os.path.join(dirpath, f)
+            if path in keep:
+                continue
             try:
-                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY)
             except OSError:
                 continue
             try:
@@ -285,7 +307,7 @@ def bench_size(
         os.sync()
         for m in rot:
             took["get"][m] = _timed(methods[m][1](keys[m]), BATCH)
-        _drop_cache(root)  # untimed: the measured round's pages leave the page cache (see module doc)
+        _drop_cache(root, _spare_files(backend, prefaulted))  # untimed: the round's pages leave the cache (module doc)
         if calm and (gate is None or gate()):
             kept += 1
             for op, per in took.items():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from hicache_draft_file import backend as file_backend
-from hicache_draft_file import segment_writer, spares
+from hicache_draft_file import bench, segment_writer, spares
 from hicache_draft_file.root_setup import prepare_root
 
 from hicache_draft import PageResult, PoolKind, Store
@@ -155,6 +155,24 @@ def test_spares_are_prefaulted_into_the_page_cache_when_asked(
     groups = [kit.group(i, 2) for i in range(GROUPS)]  # written over the zeros: read back exactly
     _stores(store, kit, groups)
     _reads_back_exactly(store, kit, groups)
+
+
+def test_the_file_bench_drops_a_rounds_pages_from_the_cache_but_keeps_the_prefaulted_spares(
+    open_store, kit, tmp_path: Path
+) -> None:
+    """``file bench`` drops every measured file from the page cache after a round, but not the spares a
+    backend prepared for its next call: the A/B of ``prefault_spares`` measures prefaulted spares."""
+    store = open_store(io_threads=4, prefault_spares=True)
+    _stores(store, kit, [kit.group(i, 1) for i in range(GROUPS)])
+    keep = bench._spare_files(store)  # waits for the refill
+    tmp = tmp_path / "store" / "tmp"
+    assert {Path(p).name for p in keep} == store.backend.spares.names() and len(keep) == 2
+    segs = list((tmp_path / "store" / "seg").rglob("*.seg"))
+    assert segs and all(any(_resident(p)) for p in segs)
+    bench._drop_cache(tmp_path, keep)
+    assert not any(r for p in segs for r in _resident(p))  # the round's pages: dropped
+    records_end = min(seg.index.data_end for seg in store.backend.catalog.segments.values())
+    assert all(all(_resident(tmp / Path(p).name, 0, records_end)) for p in keep)  # the spares: kept
 
 
 def test_spares_of_calls_too_large_to_prefault_in_time_are_only_preallocated(

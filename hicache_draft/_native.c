@@ -739,15 +739,60 @@ static PyObject *write_from(PyObject *self, PyObject *args) {
 /* Pages up to this size are hashed whole and then written with their neighbours (a group of at
  * most this many bytes, still in this core's cache when written); a larger page is hashed and
  * written piece by piece (each piece ends on a `chunk` multiple of the file) and its header is
- * written last, in its place before the payload. */
+ * written again once made, in its place before the payload. */
 #define WRITE_GROUP_BYTES (1u << 20)
+
+/* Pending spans of write_records: made (hashed, headers in place) but not yet written. */
+typedef struct {
+    struct iovec *iov;
+    Py_ssize_t n;
+    size_t bytes;
+} pending;
+
+/* Write the first `want` bytes (at most all) of `q` at *offset (which advances) and keep the rest,
+ * in order, at the front of `q`. 0, an errno, or -1 past the deadline. */
+static int pending_write(int fd, long long *offset, pending *q, size_t want, long long chunk, double deadline,
+                         struct iovec *call) {
+    if (want == 0) return 0;
+    Py_ssize_t k = 0;
+    size_t before = 0;
+    while (before + q->iov[k].iov_len < want) before += q->iov[k++].iov_len;
+    struct iovec last = q->iov[k]; /* written in part (or whole) */
+    size_t part = want - before;
+    q->iov[k].iov_len = part;
+    int err = write_spans(fd, offset, q->iov, k + 1, chunk, deadline, call);
+    if (err) return err;
+    Py_ssize_t rest = 0;
+    if (part < last.iov_len) q->iov[rest++] = (struct iovec){(char *)last.iov_base + part, last.iov_len - part};
+    for (Py_ssize_t m = k + 1; m < q->n; m++) q->iov[rest++] = q->iov[m];
+    q->n = rest;
+    q->bytes -= want;
+    return 0;
+}
+
+/* Write what of `q` ends on the last `chunk` multiple of the file it reaches; the rest waits for
+ * the next spans, so every write call but the last of write_records ends on a multiple. */
+static int pending_whole_chunks(int fd, long long *offset, pending *q, long long chunk, double deadline,
+                                struct iovec *call) {
+    long long cut = (*offset + (long long)q->bytes) / chunk * chunk;
+    return cut > *offset ? pending_write(fd, offset, q, (size_t)(cut - *offset), chunk, deadline, call) : 0;
+}
+
+static void pending_add(pending *q, void *p, size_t len) {
+    q->iov[q->n++] = (struct iovec){p, len};
+    q->bytes += len;
+}
 
 /* write_records(fd, offset, pages, codes, namespace_bytes, chunk, deadline) -> bytes written
  *
  * Store `pages` back to back from `offset` in the core's page format (each its 64-byte header,
  * then its payload), making each page's header from the bytes as they are written (one pass over
- * the memory) and putting it into the page's `header` buffer too. Past `deadline` no further
- * byte of any page is read or written: TimeoutError. The GIL is released throughout. */
+ * the memory) and putting it into the page's `header` buffer too. Every write call but the last
+ * (and a large page's header, written again once made) ends on a multiple of `chunk` in the
+ * file: a call that ended inside a page of the file would make the kernel read that page from
+ * the disk first when the file's blocks hold data that is not cached (a recycled or prefaulted
+ * segment file whose pages were reclaimed). Past `deadline` no further byte of any page is read
+ * or written: TimeoutError. The GIL is released throughout. */
 static PyObject *write_records(PyObject *self, PyObject *args) {
     int fd;
     long long offset, chunk;
@@ -762,11 +807,12 @@ static PyObject *write_records(PyObject *self, PyObject *args) {
         return NULL;
     }
     struct iovec *call = malloc(sizeof(struct iovec) * IOV_MAX);
-    struct iovec *grp = malloc(sizeof(struct iovec) * (size_t)(b.n + b.payload.n + 1));
+    /* every header and payload span once, a large page's pieces, and one span split by a cut */
+    pending q = {malloc(sizeof(struct iovec) * (size_t)(b.n + b.payload.n + 4)), 0, 0};
     XXH3_state_t *st = XXH3_createState();
-    if (call == NULL || grp == NULL || st == NULL) {
+    if (call == NULL || q.iov == NULL || st == NULL) {
         free(call);
-        free(grp);
+        free(q.iov);
         XXH3_freeState(st);
         batch_free(&b);
         return PyErr_NoMemory();
@@ -783,9 +829,10 @@ static PyObject *write_records(PyObject *self, PyObject *args) {
             err = -1;
             break;
         }
-        if (len > WRITE_GROUP_BYTES) { /* hashed and written piece by piece, header last */
-            long long head_at = offset;
-            long long at = offset + HEADER_SIZE;
+        if (len > WRITE_GROUP_BYTES) { /* hashed and written piece by piece, header again once made */
+            long long head_at = offset + (long long)q.bytes;
+            long long at = head_at + HEADER_SIZE;
+            pending_add(&q, j->header, HEADER_SIZE); /* its place (bytes made below) */
             hash->reset(st);
             for (Py_ssize_t k = j->first; k < j->first + j->count && !err; k++) {
                 unsigned char *p = b.payload.iov[k].iov_base;
@@ -794,41 +841,46 @@ static PyObject *write_records(PyObject *self, PyObject *args) {
                     size_t take = (size_t)(chunk - at % chunk);
                     if (take > left) take = left;
                     hash->update(st, p, take);
-                    struct iovec one = {p, take};
-                    err = write_spans(fd, &at, &one, 1, chunk, deadline, call);
+                    pending_add(&q, p, take);
+                    at += take;
+                    err = pending_whole_chunks(fd, &offset, &q, chunk, deadline, call);
                     p += take;
                     left -= take;
                 }
             }
             if (err) break;
             make_header_of(j, len, hash->digest(st), j->header);
-            struct iovec h = {j->header, HEADER_SIZE};
-            err = write_spans(fd, &head_at, &h, 1, chunk, deadline, call);
-            offset = at;
+            if (offset > head_at) { /* some of its place was written before the header was made */
+                struct iovec h = {j->header, HEADER_SIZE};
+                long long again = head_at;
+                err = write_spans(fd, &again, &h, 1, chunk, deadline, call);
+            }
             i++;
             continue;
         }
-        /* a group of small pages: each hashed whole, then all written with their headers */
-        Py_ssize_t g = 0, e = i;
+        /* a group of small pages: each hashed whole, then written with the spans before them */
+        Py_ssize_t e = i;
         uint64_t group = 0;
         while (e < b.n) {
-            page_job *q = &b.jobs[e];
-            uint64_t ql = 0;
-            for (Py_ssize_t k = q->first; k < q->first + q->count; k++) ql += b.payload.iov[k].iov_len;
-            if (e > i && (ql > WRITE_GROUP_BYTES || group + ql + HEADER_SIZE > WRITE_GROUP_BYTES)) break;
-            make_header_of(q, ql, hash->spans(b.payload.iov + q->first, (long)q->count), q->header);
-            grp[g++] = (struct iovec){q->header, HEADER_SIZE};
-            for (Py_ssize_t k = q->first; k < q->first + q->count; k++) grp[g++] = b.payload.iov[k];
-            group += ql + HEADER_SIZE;
+            page_job *g = &b.jobs[e];
+            uint64_t gl = 0;
+            for (Py_ssize_t k = g->first; k < g->first + g->count; k++) gl += b.payload.iov[k].iov_len;
+            if (e > i && (gl > WRITE_GROUP_BYTES || group + gl + HEADER_SIZE > WRITE_GROUP_BYTES)) break;
+            make_header_of(g, gl, hash->spans(b.payload.iov + g->first, (long)g->count), g->header);
+            pending_add(&q, g->header, HEADER_SIZE);
+            for (Py_ssize_t k = g->first; k < g->first + g->count; k++)
+                pending_add(&q, b.payload.iov[k].iov_base, b.payload.iov[k].iov_len);
+            group += gl + HEADER_SIZE;
             e++;
         }
-        err = write_spans(fd, &offset, grp, g, chunk, deadline, call);
+        err = pending_whole_chunks(fd, &offset, &q, chunk, deadline, call);
         i = e;
     }
+    if (!err) err = pending_write(fd, &offset, &q, q.bytes, chunk, deadline, call); /* the last call */
     Py_END_ALLOW_THREADS
     XXH3_freeState(st);
     free(call);
-    free(grp);
+    free(q.iov);
     batch_free(&b);
     if (err > 0) {
         errno = err;

@@ -40,10 +40,9 @@ class FileOptions(BaseModel):
     ``wal_init_zero`` does the same for new WAL files). It costs that background write of zeros; a
     spare whose zeros reach the disk before it is used (a ``sync``, or 30 s idle) is written to the
     disk twice. Never on an in-memory filesystem (tmpfs), where there is nothing to gain. Off by
-    default: on the development VM a 128 x 64 KiB call was 1.21-1.24x as fast when its spares were
-    still cached, but 0.83-0.88x when their pages had been dropped from the cache before the call,
-    and ``file bench`` (which drops the cache between rounds) showed 0.90-1.06x; not yet measured on
-    a GPU host (``file bench`` prints the ratio).
+    default: on the development VM a 128 x 64 KiB call was 1.14-1.24x as fast when its spares were
+    still cached and 0.98-0.99x when their pages had been dropped from the cache before the call;
+    ``file bench`` prints the ratio (1.12-1.13x on the VM); not yet measured on a GPU host.
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -16,11 +16,13 @@ list while it is written, and a call takes a filled one first.
 Filling a spare with zeros there puts its pages in the page cache ahead of the call: the call's
 write then only copies into them, where a write into a new or preallocated file also allocates
 every page and its block bookkeeping. On the development VM (ext4), 128 x 64 KiB ``page_set``
-calls behind a Store against a store without prefaulting, paired per round: 1.15-1.24x with a sync
+calls behind a Store against a store without prefaulting, paired per round: 1.14-1.24x with a sync
 before each call, 1.08-1.20x with the two stores' calls alternating back to back, 0.92-1.29x in
-bursts on one store (a call may find its spares still being filled), but 0.83-0.88x when the
-spares' pages had been dropped from the cache before the call (written zeros, no longer cached,
-cost more to write over than preallocated blocks). So it is off by default (``prefault_spares``).
+bursts on one store (a call may find its spares still being filled), and 0.98-0.99x when the
+spares' pages had been dropped from the cache before the call (0.83-0.88x while the core's
+``write_records`` still ended write calls inside pages: each such page of written blocks was read
+from the disk first). It is off by default (``prefault_spares``): a spare whose zeros reach the
+disk before a call overwrites them is written to the disk twice.
 
 A spare is an ordinary temp file of this process: a live writer's flock keeps other processes'
 stale-file cleaners away from it, and a process that dies leaves it to the next cleaner like an
@@ -63,9 +65,7 @@ _ZEROS = memoryview(bytes(WRITE_CHUNK))  # one cached source for every prefault 
 # benchmark's drop between rounds), a write that covers part of a page of written blocks must
 # first read that page from the disk, where a part-page write into a preallocated (unwritten)
 # block reads nothing. The records start at a page and are written in whole pages except where
-# they end; the footer ends mid-page. On the VM a call whose spare had been dropped was 0.83x as
-# fast as one into a preallocated spare with the whole file zero-filled, 0.88x with this bound (30
-# paired calls each): that read is part of the cost of a dropped spare, not all of it.
+# they end (the core's write calls end on chunk multiples); the footer ends mid-page.
 PAGE = mmap.PAGESIZE
 
 

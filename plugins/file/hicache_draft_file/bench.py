@@ -468,7 +468,8 @@ def run_bench(quick: bool = False, root: Path | None = None, settle_max_s: float
             "page_bytes": s.page_bytes, "rounds": s.rounds, "excluded_rounds": s.excluded, "gbps": s.gbps, "ratios": {},
         }
         for op in ("set", "get"):
-            for m in ("zero_copy", "generic", "zero_copy_vs_threads", "hook", "raw", "raw_threads", "prefault_gain"):
+            for m in ("zero_copy", "generic", "zero_copy_vs_threads", "hook", "raw", "raw_threads", "prefault_gain",
+                      "zero_copy_prefault"):
                 row["ratios"][f"{op}_{m}"] = s.ratio(op, m)  # type: ignore[index]
             goal = GOALS[(op, s.page_bytes)]
             row["ratios"][f"{op}_goal"] = goal  # type: ignore[index]
@@ -517,9 +518,11 @@ def format_report(rep: dict[str, object]) -> str:
     for row in rep["sizes"]:  # type: ignore[union-attr]
         gain = row["ratios"].get("set_prefault_gain")
         if gain is not None:
+            against = row["ratios"].get("set_zero_copy_prefault")
             lines.append(
                 f"{row['page_bytes'] >> 10} KiB pages: zero_copy set with prefaulted spares (prefault_spares = true) "
                 f"{gain:.2f}x as fast as without, paired per round"
+                + (f" ({against:.2f}x the baseline)" if against is not None else "")
             )
     for row in rep["sizes"]:  # type: ignore[union-attr]
         if "rounds" in row:

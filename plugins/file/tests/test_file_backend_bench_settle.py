@@ -100,6 +100,9 @@ def test_the_report_shows_the_filesystem_state_and_the_baseline() -> None:
     row["ratios"]["set_prefault_gain"] = 1.23
     text = format_report(rep)
     assert "zero_copy set with prefaulted spares (prefault_spares = true) 1.23x as fast as without" in text
+    assert "the baseline)" not in text
+    row["ratios"]["set_zero_copy_prefault"] = 3.12
+    assert "1.23x as fast as without, paired per round (3.12x the baseline)" in format_report(rep)
 
 
 @pytest.mark.parametrize(("raw", "raw_threads", "said"), [

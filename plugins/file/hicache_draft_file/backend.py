@@ -679,6 +679,12 @@ class FileBackend(StorageBackend):
                 stored.append(group)
         return stored
 
+    def split_parts(self, total: int) -> int:
+        """Into how many segments of about equal size a call of ``total`` record bytes is cut to be
+        written side by side (1: not cut; ``segment_max_bytes`` may still cut it)."""
+        split_min = _SPLIT_MIN if self.workers >= _SPLIT_CORES else _SPLIT_MIN_FEW
+        return max(1, min(self.workers, total // split_min))
+
     def _pack(
         self, groups: Mapping[str, list[tuple[str, int, Page]]], sizes: Mapping[str, int]
     ) -> Iterator[tuple[list[tuple[str, int, Page]], int]]:
@@ -688,8 +694,7 @@ class FileBackend(StorageBackend):
         most the worker count), written side by side. ``sizes``: the bytes of each group's records."""
         total = sum(sizes[g] for g in groups)
         limit = self.opts.segment_max_bytes
-        split_min = _SPLIT_MIN if self.workers >= _SPLIT_CORES else _SPLIT_MIN_FEW
-        parts = min(self.workers, total // split_min)
+        parts = self.split_parts(total)
         if parts > 1:
             limit = min(limit, -(-total // parts))
         cur: list[tuple[str, int, Page]] = []

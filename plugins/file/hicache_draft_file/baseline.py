@@ -9,6 +9,7 @@ xxh3 payload checksum), so both sides keep the same promises. Existence is one `
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -123,15 +124,22 @@ class RawBatch:
     read back with one ``read_into``; no checksum is made or checked, no header parsed, nothing
     indexed or renamed. A store that writes each call's bytes into new files on this filesystem
     cannot do less I/O, so ``baseline / raw`` (with as many threads) is the highest ratio such a
-    design can reach; one that prepares its files between calls (the file backend's prefaulted
-    spares) can pass it on writes."""
+    design can reach.
 
-    def __init__(self, root: Path, threads: int) -> None:
+    With ``prepared`` the share files are created and preallocated to their shares' sizes
+    beforehand (untimed, in :meth:`prepare`), as a design does that claims its files between calls
+    (the file backend's spare segment files): then ``baseline / raw`` is the highest write ratio
+    such a design reaches with as many writers (on the H100 host, 4 writers into prepared files
+    took 0.65-0.72 ms for 8 MiB, against 2.7 ms for one writer into a new file)."""
+
+    def __init__(self, root: Path, threads: int, prepared: bool = False) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.threads = max(1, threads)
+        self.prepared = prepared
         self._pool = ThreadPoolExecutor(self.threads - 1) if self.threads > 1 else None
         self._heads: dict[str, bytearray] = {}
+        self._fds: dict[str, list[int]] = {}  # prepared: each share's file, open for the next set
 
     def _shares(self, pages: Sequence[Page]) -> list[Sequence[Page]]:
         k = max(1, min(self.threads, len(pages)))
@@ -139,10 +147,19 @@ class RawBatch:
         return [pages[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
 
     def prepare(self, pool: PoolKind, tag: str, pages: Sequence[Page]) -> None:
-        """Make the headers of ``pages`` (untimed: the floor moves bytes only)."""
+        """Make the headers of ``pages`` (untimed: the floor moves bytes only); ``prepared``: also
+        create each share's file, preallocated to its share's bytes."""
         out = bytearray(HEADER_SIZE * len(pages))
         pack_page_headers(out, pages, pool)
         self._heads[tag] = out
+        if self.prepared:
+            fds = self._fds[tag] = []
+            for j, share in enumerate(self._shares(pages)):
+                fd = os.open(self.root / f"{tag}-{j}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fds.append(fd)
+                size = sum(HEADER_SIZE + p.nbytes for p in share)
+                with contextlib.suppress(OSError):  # a filesystem without it (tmpfs): created only
+                    os.posix_fallocate(fd, 0, size)
 
     def _iov(self, tag: str, first: int, pages: Sequence[Page]) -> list[memoryview | Buffer]:
         heads = memoryview(self._heads[tag])
@@ -161,8 +178,13 @@ class RawBatch:
         return fn(0, 0, shares[0]) + sum(f.result() for f in futures)
 
     def set(self, tag: str, pages: Sequence[Page]) -> int:
+        ready = self._fds.pop(tag, None)
+
         def one(j: int, first: int, share: Sequence[Page]) -> int:
-            fd = os.open(self.root / f"{tag}-{j}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            if ready is not None:
+                fd = ready[j]
+            else:
+                fd = os.open(self.root / f"{tag}-{j}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 write_from(fd, 0, self._iov(tag, first, share), chunk=WRITE_CHUNK)
             finally:
@@ -183,5 +205,9 @@ class RawBatch:
         return self._each(one, pages)
 
     def close(self) -> None:
+        for fds in self._fds.values():  # prepared and never written
+            for fd in fds:
+                os.close(fd)
+        self._fds.clear()
         if self._pool is not None:
             self._pool.shutdown()

@@ -718,7 +718,7 @@ class FileBackend(StorageBackend):
         (none of this call's: they are not published yet), then retry once."""
         for attempt in (0, 1):
             try:
-                return self._write_once(batch, deadline, write_records)
+                return self._write_once(batch, size, deadline, write_records)
             except OSError as exc:
                 if attempt == 0 and exc.errno in _NO_SPACE and self.opts.max_bytes is not None:
                     self._make_room(size, set())
@@ -742,7 +742,7 @@ class FileBackend(StorageBackend):
             return segment_name(self._writer, self._seq)
 
     def _write_once(
-        self, batch: list[tuple[str, int, Page]], deadline: float, write_records: _WriteRecords | None = None
+        self, batch: list[tuple[str, int, Page]], size: int, deadline: float, write_records: _WriteRecords | None = None
     ) -> WrittenSegment:
         spare = self.spares.take() if self.spares is not None else None
         if spare is None:
@@ -758,7 +758,7 @@ class FileBackend(StorageBackend):
                 return write_records(fd, 0, refs, chunk)
 
         return write_segment(self.dirs, name, items, self.opts.fsync, deadline=deadline, records=core,
-                             prealloc=self._prealloc, claimed=claimed)
+                             prealloc=self._prealloc, claimed=claimed, data_end=size)
 
     def _publish(
         self, written: list[tuple[WrittenSegment, list[tuple[str, int, Page]]]]

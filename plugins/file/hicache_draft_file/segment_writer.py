@@ -82,6 +82,7 @@ def write_segment(
     records: Callable[[int, int], int] | None = None,
     prealloc: bool = True,
     claimed: tuple[str, int, int, bool] | None = None,
+    data_end: int | None = None,
 ) -> WrittenSegment:
     """Write ``items`` as segment ``name`` into ``tmp/``. On any error the file is removed and
     the error raised (nothing published, nothing already stored touched).
@@ -103,24 +104,25 @@ def write_segment(
     from offset 0; it returns the bytes written), used instead of writing the records here.
     ``prealloc=False`` (an in-memory filesystem) skips the preallocation. ``claimed``: the file to
     write, as :func:`claim_file` returned it for ``name`` (a spare claimed before the call);
-    otherwise one is claimed here.
+    otherwise one is claimed here. ``data_end``: the records' bytes (every page's header and
+    payload), when the caller has counted them already.
     """
     tmp, fd, old_size, recycled = claimed if claimed is not None else claim_file(dirs, name)
     try:
-        data_end = 0
-        for _pool, page in items:
-            data_end += HEADER_SIZE + page.nbytes
+        if data_end is None:
+            data_end = 0
+            for _pool, page in items:
+                data_end += HEADER_SIZE + page.nbytes
         if prealloc and old_size < data_end:
             preallocate(fd, data_end)
-        if records is not None:
-            wrote = records(fd, chunk)
-            if wrote != data_end:
-                raise OSError(errno.EIO, f"the core wrote {wrote} bytes of records, the pages hold {data_end}")
-        else:
+        wrote = records(fd, chunk) if records is not None else None
+        if records is None:
             write_from(fd, 0, _record_buffers(items), chunk=chunk, deadline=deadline)
         # made while the other writers' records go out (their calls release the GIL): made before
         # them, each writer's index held the GIL and delayed the next writer's start
         index = _index_of(items)
+        if wrote is not None and wrote != index.data_end:
+            raise OSError(errno.EIO, f"the core wrote {wrote} bytes of records, the index says {index.data_end}")
         footer = build_footer(index)
         end = index.data_end + len(footer)
         index.size = end

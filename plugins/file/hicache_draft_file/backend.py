@@ -577,8 +577,10 @@ class FileBackend(StorageBackend):
             self._log_once("ro", "file backend: root %s is open read-only; page_set stores nothing", self.root)
             return results
         self._poll()
-        groups: dict[str, list[tuple[str, int, Page]]] = defaultdict(list)
-        sizes: dict[str, int] = defaultdict(int)  # bytes of each group's records
+        groups: dict[str, list[tuple[str, int, Page]]] = {}
+        sizes: dict[str, int] = {}  # bytes of each group's records
+        unstored: set[str] = set()  # groups with a page of the call not stored yet (dedup)
+        dedup = self.opts.dedup
         for t in transfers:
             pool = t.pool
             if not storable_pool(pool):
@@ -586,16 +588,27 @@ class FileBackend(StorageBackend):
                 continue
             pages = t.pages
             checked = all_names_ok([p.key for p in pages], [p.group for p in pages])  # all at once
+            have = self.catalog.keys.get(pool, {})  # read without the lock: dedup is a hint
+            # one plain loop per page (grouping, sizes and dedup together: 51 us for 128 pages on the
+            # VM, 71 us as a grouping loop and a dedup loop over the groups)
             for i, page in enumerate(pages):
-                key, group = page.key, page.group
-                if not checked and not page_names_ok(key, group):
-                    problem = key_problem(key) or group_problem(group)
+                group = page.group
+                if not checked and not page_names_ok(page.key, group):
+                    problem = key_problem(page.key) or group_problem(group)
                     self._log_once("set:badkey", "file backend: page_set refused a page (and maybe more): %s", problem)
                     continue
-                groups[group].append((pool, i, page))
-                sizes[group] += HEADER_SIZE + page.nbytes
-        if self.opts.dedup:
-            for group in self._stored_groups(groups):
+                n = HEADER_SIZE + page.nbytes
+                items = groups.get(group)
+                if items is None:
+                    groups[group] = [(pool, i, page)]
+                    sizes[group] = n
+                else:
+                    items.append((pool, i, page))
+                    sizes[group] += n
+                if dedup and page.key not in have:
+                    unstored.add(group)
+        if dedup:
+            for group in [g for g in groups if g not in unstored]:  # every page of it is stored already
                 for pool, i, _page in groups.pop(group):
                     results[pool][i] = _OK
         batches = []
@@ -665,19 +678,6 @@ class FileBackend(StorageBackend):
         for f in futures:
             if (exc := f.exception()) is not None:
                 raise exc
-
-    def _stored_groups(self, groups: Mapping[str, list[tuple[str, int, Page]]]) -> list[str]:
-        """The groups whose every page is stored already (one plain loop over the call: a call per
-        group cost 1 us each, 128 of them per call of new pages)."""
-        keys = self.catalog.keys
-        stored = []
-        for group, items in groups.items():
-            for pool, _i, page in items:
-                if page.key not in keys.get(pool, ()):
-                    break
-            else:
-                stored.append(group)
-        return stored
 
     def split_parts(self, total: int) -> int:
         """Into how many segments of about equal size a call of ``total`` record bytes is cut to be

@@ -115,8 +115,10 @@ def write_segment(
                 data_end += HEADER_SIZE + page.nbytes
         if prealloc and old_size < data_end:
             preallocate(fd, data_end)
-        wrote = records(fd, chunk) if records is not None else None
-        if records is None:
+        wrote = None
+        if records is not None:
+            wrote = records(fd, chunk)
+        else:
             write_from(fd, 0, _record_buffers(items), chunk=chunk, deadline=deadline)
         # made while the other writers' records go out (their calls release the GIL): made before
         # them, each writer's index held the GIL and delayed the next writer's start

@@ -123,6 +123,13 @@ def test_writing_over_stored_blocks_that_left_the_cache_reads_nothing_back(tmp_p
         os.write(fd, os.urandom(total + 8192))  # old data on the disk, as in a recycled file
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        # the control: on this filesystem a write inside a page of such a file does read it back
+        # (on one that never reads, tmpfs, this test could not fail)
+        before = _read_from_disk()
+        os.pwrite(fd, b"x", total + 100)
+        assert _read_from_disk() > before, "the test file's filesystem never reads a page back"
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         before = _read_from_disk()
         writer = store_mod._RecordWriter([PageTransfer(KV, pages)], time.monotonic() + 60)
         assert writer.write_records(fd, 0, [(KV, i) for i in range(len(pages))], chunk) == total

@@ -793,38 +793,54 @@ static void pending_add(pending *q, void *p, size_t len) {
  * the disk first when the file's blocks hold data that is not cached (a recycled or prefaulted
  * segment file whose pages were reclaimed). Past `deadline` no further byte of any page is read
  * or written: TimeoutError. The GIL is released throughout. */
-static PyObject *write_records(PyObject *self, PyObject *args) {
-    int fd;
-    long long offset, chunk;
-    double deadline;
-    PyObject *items, *codes, *fallback;
-    if (!PyArg_ParseTuple(args, "iLOOOLd:write_records", &fd, &offset, &items, &codes, &fallback, &chunk, &deadline))
-        return NULL;
-    if (offset < 0 || chunk <= 0) return PyErr_Format(PyExc_ValueError, "negative offset or non-positive chunk");
-    batch b;
-    if (batch_load(&b, items, codes, fallback, 2) < 0) {
-        batch_free(&b);
-        return NULL;
+/* The runs of read_runs / write_runs: `seq` as a tuple (*t, a new reference) of *n runs, and
+ * zeroed state of `item` bytes for each; NULL with an exception (nothing to release) otherwise. */
+static void *runs_new(PyObject *seq, size_t item, PyObject **t, Py_ssize_t *n) {
+    *t = PySequence_Tuple(seq);
+    if (*t == NULL) return NULL;
+    *n = PyTuple_Size(*t);
+    void *runs = calloc((size_t)(*n ? *n : 1), item);
+    if (runs == NULL) {
+        Py_CLEAR(*t);
+        PyErr_NoMemory();
     }
+    return runs;
+}
+
+/* One run of read_runs / write_runs: (fd, offset, pages, codes); -1 with an exception if it is not. */
+static int run_args(PyObject *run, const char *format, int *fd, long long *offset, PyObject **items, PyObject **codes) {
+    if (!PyTuple_Check(run)) {
+        PyErr_SetString(PyExc_TypeError, "a run is (fd, offset, pages, codes)");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(run, format, fd, offset, items, codes)) return -1;
+    if (*offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "a run's offset is negative");
+        return -1;
+    }
+    return 0;
+}
+
+/* Write batch `b` from *offset (which advances), as write_records does (see below). 0, an errno
+ * (ENOMEM: no memory for the scratch), or -1 past the deadline. No GIL needed. */
+static int records_write(int fd, long long *offset_io, batch *b, long long chunk, double deadline) {
     struct iovec *call = malloc(sizeof(struct iovec) * IOV_MAX);
     /* every header and payload span once, a large page's pieces, and one span split by a cut */
-    pending q = {malloc(sizeof(struct iovec) * (size_t)(b.n + b.payload.n + 4)), 0, 0};
+    pending q = {malloc(sizeof(struct iovec) * (size_t)(b->n + b->payload.n + 4)), 0, 0};
     XXH3_state_t *st = XXH3_createState();
     if (call == NULL || q.iov == NULL || st == NULL) {
         free(call);
         free(q.iov);
         XXH3_freeState(st);
-        batch_free(&b);
-        return PyErr_NoMemory();
+        return ENOMEM;
     }
-    long long start = offset;
+    long long offset = *offset_io;
     int err = 0;
-    Py_BEGIN_ALLOW_THREADS
     Py_ssize_t i = 0;
-    while (i < b.n && !err) {
-        page_job *j = &b.jobs[i];
+    while (i < b->n && !err) {
+        page_job *j = &b->jobs[i];
         uint64_t len = 0;
-        for (Py_ssize_t k = j->first; k < j->first + j->count; k++) len += b.payload.iov[k].iov_len;
+        for (Py_ssize_t k = j->first; k < j->first + j->count; k++) len += b->payload.iov[k].iov_len;
         if (isfinite(deadline) && monotonic_now() > deadline) {
             err = -1;
             break;
@@ -835,8 +851,8 @@ static PyObject *write_records(PyObject *self, PyObject *args) {
             pending_add(&q, j->header, HEADER_SIZE); /* its place (bytes made below) */
             hash->reset(st);
             for (Py_ssize_t k = j->first; k < j->first + j->count && !err; k++) {
-                unsigned char *p = b.payload.iov[k].iov_base;
-                size_t left = b.payload.iov[k].iov_len;
+                unsigned char *p = b->payload.iov[k].iov_base;
+                size_t left = b->payload.iov[k].iov_len;
                 while (left > 0 && !err) {
                     size_t take = (size_t)(chunk - at % chunk);
                     if (take > left) take = left;
@@ -861,15 +877,15 @@ static PyObject *write_records(PyObject *self, PyObject *args) {
         /* a group of small pages: each hashed whole, then written with the spans before them */
         Py_ssize_t e = i;
         uint64_t group = 0;
-        while (e < b.n) {
-            page_job *g = &b.jobs[e];
+        while (e < b->n) {
+            page_job *g = &b->jobs[e];
             uint64_t gl = 0;
-            for (Py_ssize_t k = g->first; k < g->first + g->count; k++) gl += b.payload.iov[k].iov_len;
+            for (Py_ssize_t k = g->first; k < g->first + g->count; k++) gl += b->payload.iov[k].iov_len;
             if (e > i && (gl > WRITE_GROUP_BYTES || group + gl + HEADER_SIZE > WRITE_GROUP_BYTES)) break;
-            make_header_of(g, gl, hash->spans(b.payload.iov + g->first, (long)g->count), g->header);
+            make_header_of(g, gl, hash->spans(b->payload.iov + g->first, (long)g->count), g->header);
             pending_add(&q, g->header, HEADER_SIZE);
             for (Py_ssize_t k = g->first; k < g->first + g->count; k++)
-                pending_add(&q, b.payload.iov[k].iov_base, b.payload.iov[k].iov_len);
+                pending_add(&q, b->payload.iov[k].iov_base, b->payload.iov[k].iov_len);
             group += gl + HEADER_SIZE;
             e++;
         }
@@ -877,10 +893,41 @@ static PyObject *write_records(PyObject *self, PyObject *args) {
         i = e;
     }
     if (!err) err = pending_write(fd, &offset, &q, q.bytes, chunk, deadline, call); /* the last call */
-    Py_END_ALLOW_THREADS
     XXH3_freeState(st);
     free(call);
     free(q.iov);
+    *offset_io = offset;
+    return err;
+}
+
+/* write_records(fd, offset, pages, codes, namespace_bytes, chunk, deadline) -> bytes written
+ *
+ * Store `pages` back to back from `offset` in the core's page format (each its 64-byte header,
+ * then its payload), making each page's header from the bytes as they are written (one pass over
+ * the memory) and putting it into the page's `header` buffer too. Every write call but the last
+ * (and a large page's header, written again once made) ends on a multiple of `chunk` in the
+ * file: a call that ended inside a page of the file would make the kernel read that page from
+ * the disk first when the file's blocks hold data that is not cached (a recycled or prefaulted
+ * segment file whose pages were reclaimed). Past `deadline` no further byte of any page is read
+ * or written: TimeoutError. The GIL is released throughout. */
+static PyObject *write_records(PyObject *self, PyObject *args) {
+    int fd;
+    long long offset, chunk;
+    double deadline;
+    PyObject *items, *codes, *fallback;
+    if (!PyArg_ParseTuple(args, "iLOOOLd:write_records", &fd, &offset, &items, &codes, &fallback, &chunk, &deadline))
+        return NULL;
+    if (offset < 0 || chunk <= 0) return PyErr_Format(PyExc_ValueError, "negative offset or non-positive chunk");
+    batch b;
+    if (batch_load(&b, items, codes, fallback, 2) < 0) {
+        batch_free(&b);
+        return NULL;
+    }
+    long long start = offset;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = records_write(fd, &offset, &b, chunk, deadline);
+    Py_END_ALLOW_THREADS
     batch_free(&b);
     if (err > 0) {
         errno = err;
@@ -888,6 +935,105 @@ static PyObject *write_records(PyObject *self, PyObject *args) {
     }
     if (err < 0) return raise_late("write ran past its deadline");
     return PyLong_FromLongLong(offset - start);
+}
+
+/* One run of write_runs: loaded with the GIL, written without it. */
+typedef struct {
+    int fd;
+    long long start, offset; /* where the run starts; where its written bytes end */
+    batch b;
+    int err; /* an errno, -1 past the deadline (started or not) */
+} wrun;
+
+typedef struct {
+    wrun *runs;
+    long long chunk;
+    double deadline;
+    PyObject *meanwhile;  /* called in the owner's thread while the helpers write (NULL: none) */
+    PyThreadState *saved; /* the owner's thread state while the GIL is let go */
+    int meanwhile_failed;
+} wruns_ctx;
+
+static void write_one(void *ctx, ptrdiff_t i) {
+    wruns_ctx *c = ctx;
+    wrun *r = &c->runs[i];
+    if (isfinite(c->deadline) && monotonic_now() > c->deadline) {
+        r->err = -1;
+        return;
+    }
+    r->err = records_write(r->fd, &r->offset, &r->b, c->chunk, c->deadline);
+}
+
+/* The owner's work before it takes runs: `meanwhile()` with the GIL (its exception kept). */
+static void run_meanwhile(void *ctx) {
+    wruns_ctx *c = ctx;
+    PyEval_RestoreThread(c->saved);
+    PyObject *r = PyObject_CallNoArgs(c->meanwhile);
+    if (r == NULL) c->meanwhile_failed = 1; /* the exception stays set until the runs are done */
+    Py_XDECREF(r);
+    c->saved = PyEval_SaveThread();
+}
+
+/* write_runs(runs, namespace_bytes, chunk, threads, deadline, meanwhile=None) -> one result per run
+ *
+ * `runs`: (fd, offset, pages, codes) each, written as write_records writes its pages, shared by
+ * the calling thread and up to threads - 1 helpers (_native_team.c), each taking the next run as
+ * it gets free. With `meanwhile`, the calling thread first calls it (with the GIL: Python work that
+ * does not need the runs' bytes, done while the helpers write) and then takes any run not yet
+ * taken. A run's result: the bytes written, or the OSError its writes raised (TimeoutError: the
+ * deadline passed before or while it was written; nothing more of it was read or written).
+ * Returns once no thread touches any page any more; an exception `meanwhile` raised is raised
+ * then. The GIL is released while writing. */
+static PyObject *write_runs(PyObject *self, PyObject *args) {
+    PyObject *seq, *fallback, *meanwhile = Py_None;
+    long long chunk;
+    int threads;
+    double deadline;
+    if (!PyArg_ParseTuple(args, "OOLid|O:write_runs", &seq, &fallback, &chunk, &threads, &deadline, &meanwhile))
+        return NULL;
+    if (chunk <= 0) return PyErr_Format(PyExc_ValueError, "non-positive chunk");
+    if (meanwhile != Py_None && !PyCallable_Check(meanwhile)) return PyErr_Format(PyExc_TypeError, "meanwhile is not callable");
+    PyObject *t;
+    Py_ssize_t n;
+    wrun *runs = runs_new(seq, sizeof(wrun), &t, &n);
+    if (runs == NULL) return NULL;
+    Py_ssize_t loaded = 0;
+    PyObject *out = NULL;
+    for (; loaded < n; loaded++) {
+        int fd;
+        long long offset;
+        PyObject *items, *codes;
+        if (run_args(PyTuple_GetItem(t, loaded), "iLOO:write_runs run", &fd, &offset, &items, &codes) < 0) goto fail;
+        runs[loaded].fd = fd;
+        runs[loaded].start = runs[loaded].offset = offset;
+        if (batch_load(&runs[loaded].b, items, codes, fallback, 2) < 0) {
+            loaded++; /* partly loaded: freed below */
+            goto fail;
+        }
+    }
+    wruns_ctx ctx = {runs, chunk, deadline, meanwhile == Py_None ? NULL : meanwhile, NULL, 0};
+    ctx.saved = PyEval_SaveThread();
+    hcd_team_run_first(write_one, &ctx, n, threads, ctx.meanwhile ? run_meanwhile : NULL, &ctx);
+    PyEval_RestoreThread(ctx.saved);
+    if (ctx.meanwhile_failed) goto fail;
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        wrun *r = &runs[i];
+        PyObject *v;
+        if (r->err < 0) {
+            v = PyObject_CallFunction(PyExc_TimeoutError, "s", "write ran past its deadline");
+        } else if (r->err) {
+            v = PyObject_CallFunction(PyExc_OSError, "is", r->err, strerror(r->err));
+        } else {
+            v = PyLong_FromLongLong(r->offset - r->start);
+        }
+        if (v == NULL || PyList_SetItem(out, i, v) < 0) Py_CLEAR(out);
+    }
+fail:
+    for (Py_ssize_t i = 0; i < loaded; i++) batch_free(&runs[i].b);
+    free(runs);
+    Py_DECREF(t);
+    return out;
 }
 
 /* ---- reading stored pages, verified as they land -------------------------------------------- */
@@ -1097,26 +1243,17 @@ static PyObject *read_runs(PyObject *self, PyObject *args) {
     double deadline;
     if (!PyArg_ParseTuple(args, "OOLid|p:read_runs", &seq, &fallback, &chunk, &threads, &deadline, &check))
         return NULL;
-    PyObject *t = PySequence_Tuple(seq);
-    if (t == NULL) return NULL;
-    Py_ssize_t n = PyTuple_Size(t);
-    run_state *runs = calloc((size_t)(n ? n : 1), sizeof(run_state));
-    if (runs == NULL) {
-        Py_DECREF(t);
-        return PyErr_NoMemory();
-    }
+    PyObject *t;
+    Py_ssize_t n;
+    run_state *runs = runs_new(seq, sizeof(run_state), &t, &n);
+    if (runs == NULL) return NULL;
     Py_ssize_t loaded = 0;
     PyObject *out = NULL;
     for (; loaded < n; loaded++) {
         int fd;
         long long offset;
         PyObject *items, *codes;
-        PyObject *it = PyTuple_GetItem(t, loaded);
-        if (!PyTuple_Check(it)) {
-            PyErr_SetString(PyExc_TypeError, "a run is (fd, offset, pages, codes)");
-            goto fail;
-        }
-        if (!PyArg_ParseTuple(it, "iLOO:read_runs run", &fd, &offset, &items, &codes)) goto fail;
+        if (run_args(PyTuple_GetItem(t, loaded), "iLOO:read_runs run", &fd, &offset, &items, &codes) < 0) goto fail;
         if (run_load(&runs[loaded], fd, offset, items, codes, fallback, chunk) < 0) {
             loaded++; /* partly loaded: freed below */
             goto fail;
@@ -1166,11 +1303,13 @@ static void unmark(PyObject **slot_lists, Py_ssize_t *indices, Py_ssize_t n) {
  * Every (pool, index) must name a page of the call (an exact int index, 0 <= index < len) not
  * marked yet; its slot is set to `mark`. Returns each run ready for read_runs: its Page objects
  * in order, and one pool code (int) or one per page (bytes) when its pages' codes differ. On any
- * refusal (ValueError naming the pool and index) every slot this call set is None again. */
+ * refusal (ValueError naming the pool and index) every slot this call set is None again. With
+ * `writes` true the same rule checks the runs a backend hands write_runs (its messages name it). */
 static PyObject *mark_runs(PyObject *self, PyObject *args) {
     PyObject *runs_in, *pages, *slots, *mark, *codes;
-    if (!PyArg_ParseTuple(args, "OO!O!OO!:mark_runs", &runs_in, &PyDict_Type, &pages, &PyDict_Type, &slots, &mark,
-                          &PyDict_Type, &codes))
+    int writes = 0;
+    if (!PyArg_ParseTuple(args, "OO!O!OO!|p:mark_runs", &runs_in, &PyDict_Type, &pages, &PyDict_Type, &slots, &mark,
+                          &PyDict_Type, &codes, &writes))
         return NULL;
     PyObject *runs = PySequence_Tuple(runs_in);
     if (runs == NULL) return NULL;
@@ -1261,10 +1400,13 @@ static PyObject *mark_runs(PyObject *self, PyObject *args) {
             continue;
         refuse:
             if (already)
-                PyErr_Format(PyExc_ValueError, "read_records: page %S of pool %R was already read or announced",
+                PyErr_Format(PyExc_ValueError,
+                             writes ? "write_runs: page %S of pool %R is in two runs"
+                                    : "read_records: page %S of pool %R was already read or announced",
                              bad_index, bad_pool);
             else
-                PyErr_Format(PyExc_ValueError, "read_records: no page %R of pool %R in this call", bad_index, bad_pool);
+                PyErr_Format(PyExc_ValueError, "%s: no page %R of pool %R in this call",
+                             writes ? "write_runs" : "read_records", bad_index, bad_pool);
         fail_run:
             Py_DECREF(list);
             Py_DECREF(pairs);
@@ -1618,7 +1760,7 @@ static PyMethodDef methods[] = {
      "fail), an OSError or None (not started by the deadline): runs (fd, offset, pages, codes) read and verified "
      "as read_check does, shared by the calling thread and up to threads - 1 helper threads."},
     {"mark_runs", mark_runs, METH_VARARGS,
-     "mark_runs(runs, pages, slots, mark, codes) -> [(fd, offset, pages, codes), ...]: every (pool, index) of "
+     "mark_runs(runs, pages, slots, mark, codes, writes=False) -> [(fd, offset, pages, codes), ...]: every (pool, index) of "
      "runs (fd, offset, pairs) marked read by setting its slot to mark (ValueError, nothing left marked, for a "
      "page not in the call or already marked); each run's Page objects and pool code(s) ready for read_runs."},
     {"team_helped", team_helped, METH_NOARGS,
@@ -1650,6 +1792,11 @@ static PyMethodDef methods[] = {
     {"write_records", write_records, METH_VARARGS,
      "write_records(fd, offset, pages, codes, namespace_bytes, chunk, deadline) -> bytes written: pages stored "
      "back to back in the core's page format, each header made from the bytes as they are written."},
+    {"write_runs", write_runs, METH_VARARGS,
+     "write_runs(runs, namespace_bytes, chunk, threads, deadline, meanwhile=None) -> per run the bytes written or "
+     "an OSError (TimeoutError past the deadline): runs (fd, offset, pages, codes) written as write_records writes, "
+     "shared by the calling thread and up to threads - 1 helper threads; meanwhile() runs in the calling thread "
+     "while the helpers write."},
     {"write_from", write_from, METH_VARARGS,
      "write_from(fd, offset, buffers, chunk, deadline) -> bytes written; calls end on chunk multiples."},
     {NULL, NULL, 0, NULL},

@@ -28,13 +28,17 @@ def read_runs(
 ) -> list[tuple[int, list[int]] | OSError | None]: ...
 def mark_runs(
     runs: Sequence[tuple[int, int, Sequence[tuple[str, int]]]], pages: dict[str, list[object]],
-    slots: dict[str, list[object]], mark: object, codes: dict[str, int],
+    slots: dict[str, list[object]], mark: object, codes: dict[str, int], writes: bool = False,
 ) -> list[tuple[int, int, list[object], int | bytes]]: ...
 def team_helped() -> int: ...
 def write_records(
     fd: int, offset: int, pages: Sequence[object], codes: int | bytes, namespace_bytes: Callable[[str], bytes],
     chunk: int, deadline: float,
 ) -> int: ...
+def write_runs(
+    runs: Sequence[tuple[int, int, Sequence[object], int | bytes]], namespace_bytes: Callable[[str], bytes],
+    chunk: int, threads: int, deadline: float, meanwhile: Callable[[], object] | None = None,
+) -> list[int | OSError]: ...
 def make_pages(
     keys: Sequence[str], groups: Sequence[str], namespaces: str | Sequence[str], buffers: Sequence[object],
     page_type: type, page_fields: tuple[object, ...],

@@ -83,12 +83,17 @@ static void *helper(void *unused) {
     return NULL;
 }
 
-void hcd_team_run(hcd_work work, void *ctx, ptrdiff_t n, int threads) {
-    if (n <= 1 || threads <= 1) {
+void hcd_team_run(hcd_work work, void *ctx, ptrdiff_t n, int threads) { hcd_team_run_first(work, ctx, n, threads, NULL, NULL); }
+
+void hcd_team_run_first(hcd_work work, void *ctx, ptrdiff_t n, int threads, void (*first)(void *), void *first_ctx) {
+    /* the helpers the team may take: every piece when the owner is busy first, else all but one */
+    ptrdiff_t want = first != NULL ? n : n - 1;
+    if (want < 1 || threads <= 1) {
+        if (first != NULL) first(first_ctx);
         for (ptrdiff_t i = 0; i < n; i++) work(ctx, i);
         return;
     }
-    team t = {.work = work, .ctx = ctx, .n = n, .room = (int)(threads - 1 < n - 1 ? threads - 1 : n - 1)};
+    team t = {.work = work, .ctx = ctx, .n = n, .room = (int)(threads - 1 < want ? threads - 1 : want)};
     atomic_init(&t.next, 0);
     pthread_cond_init(&t.left, NULL);
     pthread_mutex_lock(&mu);
@@ -119,6 +124,7 @@ void hcd_team_run(hcd_work work, void *ctx, ptrdiff_t n, int threads) {
     }
     if (idle > 0) pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&mu);
+    if (first != NULL) first(first_ctx); /* while the helpers start on the pieces */
     take_all(&t); /* the owner works too: with no helper at all, it does every piece */
     pthread_mutex_lock(&mu);
     t.posted = 0;

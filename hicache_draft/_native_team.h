@@ -14,6 +14,9 @@
 typedef void (*hcd_work)(void *ctx, ptrdiff_t i);
 
 void hcd_team_run(hcd_work work, void *ctx, ptrdiff_t n, int threads);
+/* The same, but the calling thread first runs first(first_ctx) once the helpers are woken (its own
+ * work that needs none of the pieces), then takes whatever piece is left; up to n helpers join. */
+void hcd_team_run_first(hcd_work work, void *ctx, ptrdiff_t n, int threads, void (*first)(void *), void *first_ctx);
 /* Helpers that have taken part in a team since the module loaded (tests, benchmarks). */
 long long hcd_team_helped(void);
 

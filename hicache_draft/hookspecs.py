@@ -57,6 +57,7 @@ def page_set(
     deadline: float,
     write_records: Callable[[int, int, Sequence[tuple[str, int]], int], int],
     make_headers: Callable[..., None],
+    write_runs: Callable[..., list[int | OSError]],
 ) -> Mapping[str, Sequence[PageResult]]:
     """Store pages. ``transfers`` holds one :class:`PageTransfer` per pool (target and draft of
     one backup come in one call). Read each page's bytes from its buffers.
@@ -73,6 +74,16 @@ def page_set(
     and putting it into ``page.header`` as well, without the GIL. It returns the bytes written,
     raises ``OSError`` as a write would, ``TimeoutError`` at the call's deadline (nothing more is
     read or written) and ``RuntimeError`` once the call has been abandoned.
+
+    ``write_runs(runs, threads, chunk, meanwhile=None)`` (given with ``write_records``; ``runs``:
+    ``(fd, offset, pages)`` each, a page in one run only): many ``write_records`` in one call, shared
+    by your thread and up to ``threads - 1`` of the core's own threads (compiled, no GIL: they start
+    together and each takes the next run as it gets free, where Python threads start one after
+    another through the GIL). ``meanwhile()``, if given, runs in your thread while they write (work
+    that needs none of the runs' bytes, such as making an index); your thread then takes any run not
+    yet taken. Per run it returns the bytes written or the ``OSError`` its writes raised
+    (``TimeoutError``: the deadline passed before or while it was written); it returns, or raises
+    what ``meanwhile`` raised, only once no run is being written any more.
 
     ``make_headers(pool, indices)`` (given when the backend declares
     ``Capabilities.headers_on_demand``, and then the pages' headers are zeroed): the core makes the

@@ -255,6 +255,7 @@ class Store:
             writer = (_RecordWriter(transfers, deadline) if writes else
                       _HeaderMaker(transfers, deadline) if on_demand else None)
             kwargs["write_records"] = writer.write_records if isinstance(writer, _RecordWriter) else None
+            kwargs["write_runs"] = writer.write_runs if isinstance(writer, _RecordWriter) else None
             kwargs["make_headers"] = writer.make_headers if isinstance(writer, _HeaderMaker) else None
         status, value, fut = self._call(hook, kwargs, deadline)
         if writer is not None:
@@ -485,7 +486,7 @@ class _RecordWriter:
     abandoned; the deadline is the call's."""
 
     def __init__(self, transfers: Sequence[PageTransfer], deadline: float) -> None:
-        self.pages = {t.pool: t.pages for t in transfers}
+        self.pages = {t.pool: t.pages if t.pages.__class__ is list else list(t.pages) for t in transfers}
         self.codes = {t.pool: pool_code(t.pool) for t in transfers}
         self.deadline = deadline
         self.lock = threading.Lock()
@@ -510,6 +511,25 @@ class _RecordWriter:
                 todo.append(got[i])
                 codes.append(self.codes[pool])
         return _native.write_records(fd, offset, todo, bytes(codes), namespace_bytes, chunk, self.deadline)
+
+    def write_runs(
+        self, runs: Sequence[tuple[int, int, Sequence[tuple[str, int]]]], threads: int, chunk: int,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> list[int | OSError]:
+        """Many :meth:`write_records` in one call (``runs``: ``(fd, offset, pages)`` each), shared
+        by the calling thread and up to ``threads - 1`` of the core's compiled threads, each taking
+        the next run as it gets free; ``meanwhile()``, if given, runs in the calling thread while
+        they write (it then takes whatever run is left). Per run: the bytes written, or the
+        ``OSError`` its writes raised (``TimeoutError``: the deadline passed before or while it was
+        written). A page may be in one run only. Raises once the call has returned or was
+        abandoned, and what ``meanwhile`` raised, once no run is being written any more."""
+        with self.lock:
+            if not self.open:
+                raise RuntimeError("write_runs after the page_set call ended or was abandoned")
+            # the marking rule of reads, compiled, over marks of this request only (a page in one run)
+            slots = {pool: [None] * len(pages) for pool, pages in self.pages.items()}
+            loaded = _native.mark_runs(runs, self.pages, slots, True, self.codes, True)
+        return _native.write_runs(loaded, namespace_bytes, chunk, threads, self.deadline, meanwhile)
 
     def close(self) -> None:
         with self.lock:

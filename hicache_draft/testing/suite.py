@@ -568,7 +568,8 @@ class ConformanceSuite:
                 extra: dict[str, object] = (
                     {"finished": early.finished, "read_records": early.read_records, "read_runs": early.read_runs}
                     if hook == "page_get" else
-                    {"write_records": _RecordWriter(transfers, deadline).write_records if writes else None,
+                    {"write_records": (rec := _RecordWriter(transfers, deadline)).write_records if writes else None,
+                     "write_runs": rec.write_runs if writes else None,
                      "make_headers": _HeaderMaker(transfers, deadline).make_headers if on_demand else None}
                 )
                 answer = getattr(store.pm.hook, hook)(transfers=transfers, deadline=deadline, **extra)

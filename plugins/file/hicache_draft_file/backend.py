@@ -113,9 +113,18 @@ from hicache_draft_file.options import FileOptions
 from hicache_draft_file.root_setup import prepare_root
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry, ident, pid_alive
 from hicache_draft_file.segment_format import SegmentError, read_index, storable_pool
-from hicache_draft_file.segment_writer import WrittenSegment, claim_file, write_segment
+from hicache_draft_file.segment_writer import (
+    SegmentFile,
+    WrittenSegment,
+    claim_file,
+    discard_file,
+    open_segment_file,
+    seal_segment,
+    write_footer,
+    write_segment,
+)
 from hicache_draft_file.spares import SpareFiles
-from hicache_draft_file.vectored_io import memory_filesystem
+from hicache_draft_file.vectored_io import WRITE_CHUNK, memory_filesystem
 
 log = logging.getLogger("hicache_draft_file")
 
@@ -176,6 +185,7 @@ _Finished = Callable[[str, Iterable[int]], None]
 _ReadRecords = Callable[[int, int, Sequence[tuple[str, int]]], int]
 _ReadRuns = Callable[[Sequence[tuple[int, int, Sequence[tuple[str, int]]]], int], list[int | OSError | None]]
 _WriteRecords = Callable[[int, int, Sequence[tuple[str, int]], int], int]
+_WriteRuns = Callable[..., list[int | OSError]]
 
 
 def _not_told(pool: str, indices: Iterable[int]) -> None:
@@ -558,9 +568,10 @@ class FileBackend(StorageBackend):
     # a default); page_set and page_get below are the same calls for direct use, the extras optional.
     @hookimpl(specname="page_set")
     def _page_set_hook(
-        self, transfers: Sequence[PageTransfer], deadline: float, write_records: _WriteRecords | None
+        self, transfers: Sequence[PageTransfer], deadline: float, write_records: _WriteRecords | None,
+        write_runs: _WriteRuns | None,
     ) -> dict[str, list[PageResult]]:
-        return self.page_set(transfers, deadline, write_records)
+        return self.page_set(transfers, deadline, write_records, write_runs)
 
     @hookimpl(specname="page_get")
     def _page_get_hook(
@@ -570,7 +581,8 @@ class FileBackend(StorageBackend):
         return self.page_get(transfers, deadline, finished, read_records, read_runs)
 
     def page_set(
-        self, transfers: Sequence[PageTransfer], deadline: float, write_records: _WriteRecords | None = None
+        self, transfers: Sequence[PageTransfer], deadline: float, write_records: _WriteRecords | None = None,
+        write_runs: _WriteRuns | None = None,
     ) -> dict[str, list[PageResult]]:
         results = {t.pool: [PageResult.FAILED] * len(t.pages) for t in transfers}
         if not self.writable:
@@ -630,8 +642,11 @@ class FileBackend(StorageBackend):
                 elif (ws := self._write(batch, size, deadline, write_records)) is not None:
                     written.append((ws, batch))
 
-        # buffered writes to one file are serialised by its inode lock: one segment per thread
-        self._spread(write, batches, [size for _b, size in batches], 1)
+        if write_runs is not None and write_records is not None and not self.opts.fsync and batches:
+            written = self._write_runs(batches, deadline, write_runs, write_records)
+        else:
+            # buffered writes to one file are serialised by its inode lock: one segment per thread
+            self._spread(write, batches, [size for _b, size in batches], 1)
         published = self._publish(written)  # this call's segments: never evicted by its own eviction
         for batch in published.values():
             for pool, i, _page in batch:
@@ -741,14 +756,75 @@ class FileBackend(StorageBackend):
             self._seq += 1
             return segment_name(self._writer, self._seq)
 
+    def _write_runs(
+        self, batches: list[tuple[list[tuple[str, int, Page]], int]], deadline: float, write_runs: _WriteRuns,
+        write_records: _WriteRecords,
+    ) -> list[tuple[WrittenSegment, list[tuple[str, int, Page]]]]:
+        """Write the call's segments through the core's ``write_runs``: every segment's records on
+        the core's compiled threads at once, while this thread makes and writes the footers (on
+        the H100 host, Python writer threads started 0.2 ms apart, each waiting for the GIL). A
+        segment whose file cannot be opened, or whose write fails, goes again alone through
+        :meth:`_write` (a full filesystem with eviction on: room is made first), once."""
+        files: list[tuple[SegmentFile, list[tuple[str, int, Page]], int]] = []
+        again: list[tuple[list[tuple[str, int, Page]], int]] = []
+        for batch, size in batches:
+            try:
+                files.append((self._open_file(size), batch, size))
+            except OSError:
+                again.append((batch, size))
+        failed: dict[int, OSError] = {}  # by position in files: the footer's write failed
+
+        def footers() -> None:
+            for k, (f, batch, _size) in enumerate(files):
+                try:
+                    write_footer(f, [(pool, page) for pool, _i, page in batch])
+                except OSError as exc:
+                    failed[k] = exc
+
+        runs = [(f.fd, 0, [(pool, i) for pool, i, _page in batch]) for f, batch, _size in files]
+        try:
+            results = write_runs(runs, self.workers, WRITE_CHUNK, footers)
+        except BaseException:
+            for f, _batch, _size in files:
+                discard_file(self.dirs, f)
+            raise
+        written: list[tuple[WrittenSegment, list[tuple[str, int, Page]]]] = []
+        for k, ((f, batch, size), got) in enumerate(zip(files, results, strict=True)):
+            exc = got if isinstance(got, OSError) else failed.get(k)
+            if exc is None:
+                try:
+                    written.append((seal_segment(self.dirs, f, got, False), batch))  # type: ignore[arg-type]
+                    continue
+                except OSError as sealing:
+                    exc = sealing
+            discard_file(self.dirs, f)
+            if isinstance(exc, TimeoutError):
+                self._log_once("set:deadline", "file backend: page_set ran past its deadline; pages failed")
+            elif exc.errno in _NO_SPACE and self.opts.max_bytes is not None:
+                again.append((batch, size))
+            else:
+                self._write_failed(exc, len(batch))
+        for batch, size in again:
+            if time.monotonic() > deadline:
+                self._log_once("set:deadline", "file backend: page_set ran past its deadline; pages failed")
+            elif (ws := self._write(batch, size, deadline, write_records)) is not None:
+                written.append((ws, batch))
+        return written
+
+    def _spare(self) -> tuple[str, SegmentFile | None]:
+        """A name and file for the next segment: a spare claimed before the call, or a new name
+        (its file is claimed when written)."""
+        spare = self.spares.take() if self.spares is not None else None
+        return (self._next_name(), None) if spare is None else (spare.name, spare)
+
+    def _open_file(self, size: int) -> SegmentFile:
+        name, spare = self._spare()
+        return open_segment_file(self.dirs, name, size, self._prealloc, spare)
+
     def _write_once(
         self, batch: list[tuple[str, int, Page]], size: int, deadline: float, write_records: _WriteRecords | None = None
     ) -> WrittenSegment:
-        spare = self.spares.take() if self.spares is not None else None
-        if spare is None:
-            name, claimed = self._next_name(), None
-        else:
-            name, claimed = spare.name, (spare.tmp_name, spare.fd, spare.old_size, spare.recycled)
+        name, claimed = self._spare()
         items = [(pool, page) for pool, _i, page in batch]
         core = None
         if write_records is not None and all(page.header is not None for _pool, _i, page in batch):
@@ -785,22 +861,16 @@ class FileBackend(StorageBackend):
                     self._discard(ws)
                     self._write_failed(exc, len(batch))
                 return out
-            for ws, batch in written:
-                if ws.name not in moved:
-                    continue
-                try:
-                    st = os.fstat(ws.fd)
-                except OSError as exc:  # published: peers will find it; we do not serve it
-                    os.close(ws.fd)
-                    self._write_failed(exc, len(batch))
-                    continue
+            done = [(ws, batch) for ws, batch in written if ws.name in moved]
+            for ws, _batch in done:
                 fcntl.flock(ws.fd, fcntl.LOCK_UN)
-                with self._lock:
+            with self._lock:  # once for the call's segments
+                for ws, batch in done:
                     self.stats.segments_written += 1
                     self.stats.segments_recycled += ws.recycled
-                    self.catalog.add(Segment(name=ws.name, seg_dir=self._seg_dir, index=ws.index, ident=ident(st)))
+                    self.catalog.add(Segment(name=ws.name, seg_dir=self._seg_dir, index=ws.index, ident=ws.ident))
                     self._put_handle(ws.name, ws.fd)
-                out[ws.name] = batch
+                    out[ws.name] = batch
             return out
         return out
 

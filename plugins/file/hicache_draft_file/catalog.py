@@ -107,6 +107,9 @@ class Catalog:
                     compress(zip(idx.keys, values, strict=True), pools.translate(_mask(code))))
         name = seg.name
         groups = self._groups
+        if groups.keys().isdisjoint(idx.groups):  # the usual case: probes only, no set made
+            groups.update(dict.fromkeys(idx.groups, name))
+            return
         new = dict.fromkeys(idx.groups, name)
         for group in new.keys() & groups.keys():  # groups already stored elsewhere (rare)
             del new[group]

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 from hicache_draft import write_from
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry
-from hicache_draft_file.segment_writer import claim_file
-from hicache_draft_file.vectored_io import WRITE_CHUNK, preallocate
+from hicache_draft_file.segment_writer import SegmentFile, open_segment_file
+from hicache_draft_file.vectored_io import WRITE_CHUNK
 
 log = logging.getLogger("hicache_draft_file")
 
@@ -70,32 +70,19 @@ _ZEROS = memoryview(bytes(WRITE_CHUNK))  # one cached source for every prefault 
 PAGE = mmap.PAGESIZE
 
 
-@dataclass(frozen=True)
-class Claimed:
-    """A file in ``tmp/`` for segment ``name``: its name there, open read-write and flocked."""
+@dataclass
+class Claimed(SegmentFile):
+    """A spare: a file claimed in ``tmp/`` for segment ``name`` before a call needs it;
+    ``prefaulted`` once its first ``old_size`` bytes were written with zeros (in the page cache)."""
 
-    name: str
-    tmp_name: str
-    fd: int
-    old_size: int
-    recycled: bool
     prefaulted: bool = False
 
 
 def claim(dirs: RootDirs, name: str, size: int = 0) -> Claimed:
     """Claim a file for segment ``name`` now (see :func:`claim_file`), preallocated to at least
     ``size`` bytes where the filesystem allows (its size is then that)."""
-    tmp, fd, old_size, recycled = claim_file(dirs, name)
-    if old_size < size:
-        try:
-            if preallocate(fd, size):
-                old_size = size
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dirs.tmp)
-            raise
-    return Claimed(name, tmp, fd, old_size, recycled)
+    f = open_segment_file(dirs, name, size)
+    return Claimed(f.name, f.tmp_name, f.fd, f.old_size, f.recycled, f.ident)
 
 
 def prefault(c: Claimed, size: int) -> Claimed:

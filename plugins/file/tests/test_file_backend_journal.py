@@ -134,16 +134,16 @@ def test_publisher_follows_a_compaction_between_its_poll_and_its_append(tmp_path
     b = open_store(root, journal_max_records=16)
     a.page_set(kit.both([kit.group(0, 4)], PAGE))
     assert b.page_exists(_keys(kit, [kit.group(0, 4)])) == {PoolKind.KV: 1}
-    real = backend_mod.write_segment
+    real = backend_mod.FileBackend._publish
     fired: list[bool] = []
 
-    def write_segment(*args: Any, **kw: Any) -> Any:
-        if not fired:  # B has polled; A compacts before B publishes
+    def publish(*args: Any, **kw: Any) -> Any:
+        if not fired:  # B has polled and written; A compacts before B publishes
             fired.append(True)
             _compact(a)
         return real(*args, **kw)
 
-    monkeypatch.setattr(backend_mod, "write_segment", write_segment)
+    monkeypatch.setattr(backend_mod.FileBackend, "_publish", publish)
     groups = [kit.group(i, 5) for i in range(4)]
     assert b.page_set(kit.both(groups, PAGE))[PoolKind.KV] == [PageResult.OK] * 4
     monkeypatch.undo()

@@ -55,6 +55,33 @@ def core_reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return request.param
 
 
+@pytest.fixture(params=["runs", "threads"])
+def core_writes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How a Store's page_set writes: every segment's records handed to the core's ``write_runs``
+    in one call (its compiled threads), or (a Store without it) one segment per thread of the
+    backend's own, each through ``write_records``."""
+    if request.param == "threads":
+        monkeypatch.setattr(store_mod._RecordWriter, "write_runs", None)
+    return request.param
+
+
+def _writers(monkeypatch: pytest.MonkeyPatch, core_writes: str) -> Callable[[], bool]:
+    """A check, after a page_set, that its segments were written side by side: one call of the
+    core's ``write_runs`` with several runs, or ``write_segment`` on several threads."""
+    if core_writes == "threads":
+        threads = _threads_of(monkeypatch, file_backend, "write_segment")
+        return lambda: len(threads) > 1
+    calls: list[int] = []
+    real = store_mod._RecordWriter.write_runs
+
+    def spy(self: object, runs: list, *args: object) -> list:
+        calls.append(len(runs))
+        return real(self, runs, *args)
+
+    monkeypatch.setattr(store_mod._RecordWriter, "write_runs", spy)
+    return lambda: len(calls) == 1 and calls[0] > 1
+
+
 def _in_the_core(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Spy on the core's ``read_runs``: the number of runs of every call."""
     calls: list[int] = []
@@ -104,11 +131,11 @@ def _threads_of(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> s
 
 
 def test_shared_writes_and_reads_give_every_page_its_result_in_order(
-    kit, store: Store, monkeypatch, core_reads: str
+    kit, store: Store, monkeypatch, core_reads: str, core_writes: str
 ) -> None:
-    writers = _threads_of(monkeypatch, file_backend, "write_segment")
+    side_by_side = _writers(monkeypatch, core_writes)
     groups = _stored(kit, store)
-    assert len(writers) > 1 and store.backend.usage()["segments"] > 1  # one call, several files
+    assert side_by_side() and store.backend.usage()["segments"] > 1  # one call, several files
     readers = _threads_of(monkeypatch, file_backend, "_read_run")
     in_core = _in_the_core(monkeypatch) if core_reads == "runs" else []
     # shuffled, with misses and a repeat interleaved, over both pools

@@ -121,3 +121,35 @@ def test_full_filesystem_is_capacity_pressure_when_eviction_is_on(small_fs: Path
         newest = [kit.group(i, 323) for i in range(4)]
         got = kit.read_back(store, newest, page)
         assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])
+
+
+def test_records_the_core_writes_into_a_full_filesystem_fail_alone(small_fs: Path, kit, monkeypatch) -> None:
+    """Eviction off: the segments of a call written on the core's threads (``write_runs``) hit a
+    real full filesystem; their pages fail, no unfinished file stays, what was stored reads back."""
+    import hicache_draft.store as store_mod
+
+    runs: list[int] = []
+    real = store_mod._RecordWriter.write_runs
+
+    def spy(self: object, plan: list, *args: object) -> list:
+        runs.append(len(plan))
+        return real(self, plan, *args)
+
+    monkeypatch.setattr(store_mod._RecordWriter, "write_runs", spy)
+    page = 256 << 10
+    stored: list[list[str]] = []
+    with Store.open("file", {"root": str(small_fs / "store"), "io_threads": 4}) as store:
+        for c in range(8):  # 2 MiB a call into 8 MiB: the filesystem fills
+            groups = [kit.group(i, 400 + c) for i in range(4)]
+            res = store.page_set(kit.both(groups, page))
+            if res[PoolKind.KV] != [PageResult.OK] * 4:
+                break
+            stored.append(groups)
+        else:
+            pytest.fail("8 MiB never filled up")
+        assert runs and stored, "the calls did not go through write_runs, or none fitted"
+        assert res[PoolKind.KV] == [PageResult.FAILED] * 4 and store.backend.usage()["write_failures"] >= 1
+        assert kit.unfinished(store.backend, small_fs / "store") == []
+        assert kit.read_back(store, groups, page)[PoolKind.KV] == [(PageResult.MISS, False)] * 4
+        got = kit.read_back(store, [g for call in stored for g in call], page)
+        assert all(r is PageResult.OK and eq for r, eq in got[PoolKind.KV] + got[PoolKind.DRAFT])

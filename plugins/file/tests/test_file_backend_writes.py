@@ -207,7 +207,16 @@ def test_a_store_has_the_core_write_every_record(tmp_path: Path, monkeypatch: py
         assert all(not any(p.header.view()) for p in pages)
         return real(fd, offset, pages, *rest)
 
+    real_runs = store_mod._native.write_runs
+
+    def spy_runs(runs, *rest):  # noqa: ANN001, ANN002
+        for _fd, _offset, pages, _codes in runs:
+            calls.append(len(pages))
+            assert all(not any(p.header.view()) for p in pages)
+        return real_runs(runs, *rest)
+
     monkeypatch.setattr(store_mod._native, "write_records", spy)
+    monkeypatch.setattr(store_mod._native, "write_runs", spy_runs)
     store = Store.open("file", {"root": str(tmp_path / "root"), "io_threads": 1})
     try:
         assert store.capabilities.writes_records

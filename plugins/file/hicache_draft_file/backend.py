@@ -791,12 +791,13 @@ class FileBackend(StorageBackend):
         written: list[tuple[WrittenSegment, list[tuple[str, int, Page]]]] = []
         for k, ((f, batch, size), got) in enumerate(zip(files, results, strict=True)):
             exc = got if isinstance(got, OSError) else failed.get(k)
-            if exc is None:
+            if exc is None and not isinstance(got, OSError):
                 try:
-                    written.append((seal_segment(self.dirs, f, got, False), batch))  # type: ignore[arg-type]
+                    written.append((seal_segment(self.dirs, f, got, False), batch))
                     continue
                 except OSError as sealing:
                     exc = sealing
+            assert exc is not None
             discard_file(self.dirs, f)
             if isinstance(exc, TimeoutError):
                 self._log_once("set:deadline", "file backend: page_set ran past its deadline; pages failed")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import secrets
 import subprocess
 import sys
@@ -716,3 +717,22 @@ def test_the_settings_hand_over_polls_as_long_as_they_say(poll_us):
     keys = hashes(2, salt=41)
     assert adapter.batch_set_v1(keys, indices([0, 4])) == [True, True]
     assert adapter.batch_exists(keys) == 2
+
+
+def test_host_indices_name_each_page_by_its_first_slot_as_a_tensor_or_a_list(caplog):
+    """Only each page's first token slot is used (taken before the indices become Python ints);
+    a tensor, a list and a 2-D tensor of the same indices move the same pages, and a count that is
+    not pages x page size fails every page with a warning naming it."""
+    kv = mha(seed=3)
+    writer = attach(build(extra_config("memory", {})), kv)
+    keys = hashes(3, salt=23)
+    src, dst = [0, 4, 8], [12, 16, 20]
+    assert writer.batch_set_v1(keys, indices(src)) == [True] * 3
+    for handed in (indices(dst), indices(dst).tolist(), indices(dst).reshape(3, PS)):
+        kv2 = mha(seed=None)
+        reader = attach(build(extra_config("memory", {})), kv2)
+        assert reader.batch_get_v1(keys, handed) == [True] * 3
+        assert [hr.page_bytes(kv2, d) for d in dst] == [hr.page_bytes(kv, s) for s in src]
+    with caplog.at_level(logging.WARNING, logger="hicache_draft.sglang"):
+        assert reader.batch_get_v1(keys, indices(dst)[:-1]) == [False] * 3
+    assert f"{len(keys) * PS - 1} host indices for 3 pages of {PS} tokens" in caplog.text

@@ -29,6 +29,11 @@ the call: "keys + backend"), and the goal is checked against it (each Store call
 tens of microseconds on a small VM is mostly the hand-over to its worker thread, so the few
 microseconds of making and handing over the strings weigh, and time apart they add up to less than
 they cost in one call).
+Every row but ``set`` also times the adapter's call alone, with each Store call it makes answered at
+once (nothing moved; a set's pages must be fresh, so it has none), in the same round: the adapter's
+own work with caches as cold as its real call finds them, keys and staging copies included, printed
+as a share of the backend's call. It is not what the goal is checked on (it leaves out what the
+adapter's call costs the backend's), but it tells the adapter's work from the machine's noise.
 
 Paths: ``v1`` (``batch_set_v1`` / ``batch_get_v1`` / ``batch_exists``: target pages zero-copy by
 host index), ``v2`` (``batch_set_v2`` / ``batch_get_v2`` / ``batch_exists_v2`` with a DRAFT
@@ -181,6 +186,7 @@ class Row:
     copy: list[float] = field(default_factory=list)  # generic set/get: the staging copies alone
     keyed: list[float] = field(default_factory=list)  # exists: keys made from SGLang's hashes + the Store call
     hook: list[float] = field(default_factory=list)  # exists: the backend's hook called in this thread
+    alone: list[float] = field(default_factory=list)  # the adapter's call with every Store call answered at once
 
     @property
     def ratios(self) -> list[float]:
@@ -219,11 +225,22 @@ class Row:
     def meets_goal(self) -> bool:
         return self.over_floor <= GOAL
 
+    @property
+    def alone_share(self) -> float:
+        """The median per-round adapter alone / backend: the adapter's own work (its call with the
+        Store answering at once, timed in the same round: caches as cold as the real call finds
+        them), keys and staging copies included, against the backend's Store call. Not what the goal
+        is checked on: it leaves out what the adapter's call costs the backend's (the fresh strings
+        it hands over), and it includes work any adapter does (see :attr:`least`)."""
+        return statistics.median([a / s for a, s in zip(self.alone, self.store, strict=True)])
+
     def line(self) -> str:
         rs = self.ratios
         verdict = "ok" if self.meets_goal else "OVER"
+        alone = (f" (alone {statistics.median(self.alone) * 1e3:.3f} ms = {self.alone_share:.2f} of backend)"
+                 if self.alone else "")
         text = (f"{self.backend:<7} {self.path:<8} {self.page:>7} {self.op:<11} "
-                f"adapter {statistics.median(self.adapter) * 1e3:8.3f} ms  "
+                f"adapter {statistics.median(self.adapter) * 1e3:8.3f} ms{alone}  "
                 f"backend {statistics.median(self.store) * 1e3:8.3f} ms  ratio {self.ratio:5.2f} "
                 f"(rounds {min(rs):.2f}-{max(rs):.2f})")
         if self.copy:
@@ -246,6 +263,8 @@ class Row:
             out["keyed_s"], out["floor"] = statistics.median(self.keyed), self.floor
         if self.hook:
             out["hook_s"] = statistics.median(self.hook)
+        if self.alone:
+            out["alone_s"], out["alone_share"] = statistics.median(self.alone), self.alone_share
         return out
 
 
@@ -284,7 +303,8 @@ class _Case:
         from hicache_draft.capabilities import PoolKind
         from hicache_draft.integrations.sglang import PoolName, PoolTransfer
         from hicache_draft.keys import make_key
-        from hicache_draft.transfer import Buffer, Page, PageTransfer
+        from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer
+        from hicache_draft.workers import DONE
 
         self.path, self.adapter, self.kv, self.draft = path, adapter, kv, draft
         self.store = adapter.store
@@ -294,6 +314,7 @@ class _Case:
         self.slots = [int(self.indices[i * ps]) for i in range(pages)]
         self._torch, self._PoolKind, self._PoolName, self._PoolTransfer = torch, PoolKind, PoolName, PoolTransfer
         self._make_key, self._Buffer, self._Page, self._PageTransfer = make_key, Buffer, Page, PageTransfer
+        self._PageResult, self._done = PageResult, DONE
         self.flats: list[Any] = []
         self.dummies: list[Any] = []
         self._area: Any = None
@@ -379,6 +400,30 @@ class _Case:
         if op == "get":
             return lambda: all(t is not None for t in a.batch_get(keys, self.dummies))
         return lambda: a.batch_exists(keys) == n
+
+    def alone_call(self, op: str, keys: list[str]) -> Callable[[], bool]:
+        """The adapter's call with every Store call it makes answered at once (all pages OK, all
+        keys stored; nothing moved): the adapter's own work."""
+        call = self.adapter_call(op, keys)
+        store = self.store
+        ok = self._PageResult.OK
+        done = self._done
+
+        def answered(transfers: Sequence[Any], timeout_s: float | None = None) -> tuple[dict[str, list[Any]], Any]:
+            return {t.pool: [ok] * len(t.pages) for t in transfers}, done
+
+        def exists(queries: dict[str, Sequence[str]], timeout_s: float | None = None) -> dict[str, int]:
+            return {pool: len(ks) for pool, ks in queries.items()}
+
+        def alone() -> bool:
+            store.page_get = store.page_set_tracked = answered  # on the instance, for this call only
+            store.page_exists = exists
+            try:
+                return call()
+            finally:
+                del store.page_get, store.page_set_tracked, store.page_exists
+
+        return alone
 
     def keyed_call(self, keys: list[str]) -> Callable[[], bool]:
         """The storage keys of an existence query made from SGLang's page hashes by the adapter's
@@ -573,6 +618,8 @@ def _rounds(
             ]
             if case.path == "generic" and op in ("set", "get"):
                 calls.append(("copy", case.staging_copy(op), None))
+            if op != "set":  # a set's pages must be fresh each round: the adapter alone would store none
+                calls.append(("alone", case.alone_call(op.removesuffix("-cold"), keys), cold))
             if op.startswith("exists"):
                 calls.append(("keyed", case.keyed_call(keys), None))
             if op == "exists":

@@ -234,6 +234,7 @@ class Staging:
         self.lock = threading.Lock()
         self.tensor = self._memory()
         self._parts: dict[int, list[tuple[tuple[Buffer], torch.Tensor]]] = {}
+        self._typed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
     def region(self) -> Buffer:
         return Buffer(self.tensor.data_ptr(), self.tensor.numel(), owner=self.tensor)
@@ -249,6 +250,18 @@ class Staging:
             self._parts[nbytes] = got
         return got
 
+    def typed(self, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The tensors of :meth:`parts` viewed as one-dimensional ``dtype`` tensors (``nbytes`` a
+        multiple of its size), made once per size, type and memory: a flat page of that type is
+        copied from or into its piece in one call, without a view of it per page."""
+        key = (nbytes, dtype)
+        got = self._typed.get(key)
+        if got is None:
+            count = self.tensor.numel() // nbytes
+            got = list(self.tensor[: count * nbytes].view(count, nbytes).view(dtype).unbind(0))
+            self._typed[key] = got
+        return got
+
     def _memory(self) -> torch.Tensor:
         torch = import_torch()
         return torch.zeros(self.pages * self.page_nbytes, dtype=torch.uint8)
@@ -257,6 +270,7 @@ class Staging:
         """Abandon the current memory to a call that may still use it (its Buffers keep it alive)."""
         self.tensor = self._memory()
         self._parts = {}
+        self._typed = {}
 
 
 @dataclass
@@ -271,6 +285,7 @@ class Batch:
     staged: list[torch.Tensor] = field(default_factory=list)
     slots: list[int] | None = None
     flats: Sequence[torch.Tensor] | None = None
+    typed: list[torch.Tensor] | None = None  # staged, viewed as the flats' type (flats of one type, 1-D)
 
     @property
     def zero_copy_slots(self) -> list[int]:
@@ -409,15 +424,32 @@ class PoolBinding:
                                  f"expected {self.spec.page_nbytes}")
         keys = list(keys) if keys is not None else self.keys(groups)
         rows, bufs = self._rows(len(flats) * self.split)
+        typed = self._typed_rows(flats, len(rows))
         if fill:
-            raw = self._raw(flats)
-            if raw is not None and self.staging is not None and rows:
+            if typed is not None:  # one call: no view of each page (a few torch calls a page otherwise)
+                torch = import_torch()
+                torch.cat(list(flats), out=self.staging.tensor[: len(rows) * self.part_nbytes].view(flats[0].dtype))
+            elif (raw := self._raw(flats)) is not None and self.staging is not None and rows:
                 torch = import_torch()
                 torch.cat(raw, out=self.staging.tensor[: len(rows) * self.part_nbytes])
             else:
                 for n, row in enumerate(rows):
                     self._one_page(flats[n // self.split]).copy_page_out(0, row, n % self.split, self.split)
-        return Batch(self, PageTransfer(self.name, self._page(keys, groups, bufs), False), staged=rows, flats=flats)
+        return Batch(self, PageTransfer(self.name, self._page(keys, groups, bufs), False), staged=rows, flats=flats,
+                     typed=typed)
+
+    def _typed_rows(self, flats: Sequence[torch.Tensor], n: int) -> list[torch.Tensor] | None:
+        """The first ``n`` staging rows as tensors of the flats' type, when the flats are
+        one-dimensional tensors of one type filling a row each (one part per page, staging held);
+        else None."""
+        if self.split != 1 or self.staging is None or not flats:
+            return None
+        dtype = flats[0].dtype
+        if self.part_nbytes % flats[0].element_size():
+            return None
+        if not all(f.dtype is dtype and f.dim() == 1 and f.is_cpu for f in flats):
+            return None
+        return self.staging.typed(self.part_nbytes, dtype)[:n]
 
     def _raw(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """One part per page and plain CPU tensors: a flat page's bytes are its stored bytes."""
@@ -458,7 +490,11 @@ class PoolBinding:
         oks = self.page_oks(results) if len(results) == pages * self.split else [False] * pages
         if upto is not None:
             oks = [o and i < upto for i, o in enumerate(oks)]
-        if batch.staged:
+        if batch.typed is not None:  # flats of one type: each copied from its typed row, no view made
+            for flat, row, ok in zip(batch.flats or (), batch.typed, oks, strict=True):
+                if ok:
+                    flat.copy_(row)
+        elif batch.staged:
             raw = self._raw(batch.flats) if batch.flats is not None else None
             for n, row in enumerate(batch.staged):
                 i, part = divmod(n, self.split)

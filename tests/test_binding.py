@@ -21,6 +21,7 @@ from hicache_draft import (
     HostPool,
     IOPath,
     Layout,
+    PageResult,
     PoolCapability,
     PoolKind,
     PoolSpec,
@@ -32,7 +33,7 @@ from hicache_draft import (
     unregister_backend,
     usable_hit,
 )
-from hicache_draft.binding import PoolBinding, query_hit
+from hicache_draft.binding import PoolBinding, Staging, query_hit
 from hicache_draft.config import ParallelConfig
 from hicache_draft.keys import pool_identities
 from hicache_draft.paths import plan_paths
@@ -543,3 +544,31 @@ def test_a_target_pool_the_backend_cannot_hold_disables_every_pool(memory):
         assert "does not declare the 'indexer' component" in plan["indexer"].reason
     finally:
         ctrl.close()
+
+
+@pytest.mark.parametrize("shape", ["1-D", "2-D", "mixed types"])
+def test_flat_pages_go_through_staging_byte_exact_whatever_their_shape(shape: str) -> None:
+    """SGLang's generic path: flat pages copied into staging on a write and back out after a read.
+    One-dimensional flats of one type take one call in (a typed view of the staging area) and a
+    copy each out, with no view of each page; any other flats take the per-page path. Both move
+    exactly the pages' bytes, and a page whose read failed is left untouched."""
+    spec = PoolSpec(kind="kv", attention=Attention.MHA, layers=2, page_size=PS, dtype="bfloat16",
+                    layout=Layout.PAGE_FIRST, kv_heads=2, head_dim=8)
+    plan = plan_binding(spec, ALL_CAPS, ParallelConfig(), model="m", target_model="m")
+    b = PoolBinding(plan, None, Staging(spec.page_nbytes, 4))
+    numel = spec.page_nbytes // 2
+    flats = [torch.randn(numel).to(torch.bfloat16) for _ in range(3)]
+    if shape == "2-D":
+        flats = [f.view(2, numel // 2) for f in flats]
+    elif shape == "mixed types":
+        flats = [flats[0], flats[1].view(torch.int16), flats[2]]
+    want = [bytes(f.contiguous().view(-1).view(torch.uint8).tolist()) for f in flats]
+    wrote = b.flat_batch(["a", "b", "c"], flats, fill=True)
+    assert (wrote.typed is not None) is (shape == "1-D")
+    staged = [bytes(r.tolist()) for r in wrote.staged]
+    assert staged == want
+    outs = [torch.zeros_like(f) for f in flats]
+    read = b.flat_batch(["a", "b", "c"], outs, fill=False)
+    assert b.finish_get(read, [PageResult.OK, PageResult.FAILED, PageResult.OK]) == [True, False, True]
+    got = [bytes(f.contiguous().view(-1).view(torch.uint8).tolist()) for f in outs]
+    assert got == [want[0], bytes(len(want[1])), want[2]]

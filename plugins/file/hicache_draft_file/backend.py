@@ -923,11 +923,8 @@ class FileBackend(StorageBackend):
                     os.unlink(ws.name + SEGMENT_SUFFIX, dir_fd=d)
 
     def _discard(self, ws: WrittenSegment) -> None:
-        """Drop a written, unpublished segment: its descriptor and its file in ``tmp/``."""
-        with contextlib.suppress(OSError):
-            os.close(ws.fd)
-        with contextlib.suppress(OSError):
-            os.unlink(ws.tmp_name, dir_fd=self.dirs.tmp)
+        """Drop a written, unpublished segment: its file in ``tmp/`` and its descriptor."""
+        discard_file(self.dirs, ws)
 
     def page_get(
         self,

@@ -137,12 +137,13 @@ def seal_segment(dirs: RootDirs, f: SegmentFile, wrote: int | None, fsync: bool)
                           index=index, recycled=f.recycled, ident=f.ident)
 
 
-def discard_file(dirs: RootDirs, f: SegmentFile) -> None:
-    """Close and remove an unpublished segment file."""
-    with contextlib.suppress(OSError):
-        os.close(f.fd)
+def discard_file(dirs: RootDirs, f: SegmentFile | WrittenSegment) -> None:
+    """Remove an unpublished segment file of this process and close it (removed first: its flock
+    keeps other processes' stale-file cleaners away until its name is gone)."""
     with contextlib.suppress(OSError):
         os.unlink(f.tmp_name, dir_fd=dirs.tmp)
+    with contextlib.suppress(OSError):
+        os.close(f.fd)
 
 
 def write_segment(

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from hicache_draft import write_from
 from hicache_draft_file.rootfs import RootDirs, UnsafeEntry
-from hicache_draft_file.segment_writer import SegmentFile, open_segment_file
+from hicache_draft_file.segment_writer import SegmentFile, discard_file, open_segment_file
 from hicache_draft_file.vectored_io import WRITE_CHUNK
 
 log = logging.getLogger("hicache_draft_file")
@@ -243,10 +243,7 @@ class SpareFiles:
         return True
 
     def _discard(self, c: Claimed) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(c.tmp_name, dir_fd=self._dirs.tmp)
-        with contextlib.suppress(OSError):
-            os.close(c.fd)
+        discard_file(self._dirs, c)
 
     def after_fork_in_child(self) -> None:
         """In a forked child: the spares are the parent's files, so close only this process's

@@ -1681,6 +1681,95 @@ static int all_hex(const unsigned char *p, Py_ssize_t n) {
     return !bad;
 }
 
+/* copy_regions(dsts, srcs, nbytes, threads=1): nbytes copied from each address srcs[i] to dsts[i]
+   (regions that do not overlap), with the GIL released, region i by whichever of the calling
+   thread and up to threads - 1 helpers takes it: a batch of flat pages into or out of a staging
+   area in one call, where one torch copy a page cost its call on top of the bytes, on one core. */
+typedef struct {
+    const uintptr_t *dsts, *srcs;
+    size_t nbytes;
+} regions_ctx;
+
+static void copy_region(void *ctx_in, ptrdiff_t i) {
+    const regions_ctx *c = ctx_in;
+    memcpy((void *)c->dsts[i], (const void *)c->srcs[i], c->nbytes);
+}
+
+/* The addresses of a sequence of ints into out[0..n) (n already known); -1 with an error. */
+static int addresses(PyObject *seq, uintptr_t *out, Py_ssize_t n, const char *what) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_GetItem(seq, i);
+        if (o == NULL) return -1;
+        unsigned long long v = PyLong_AsUnsignedLongLong(o);
+        Py_DECREF(o);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+        if (v == 0) {
+            PyErr_Format(PyExc_ValueError, "copy_regions: %s[%zd] is a null address", what, i);
+            return -1;
+        }
+        out[i] = (uintptr_t)v;
+    }
+    return 0;
+}
+
+static PyObject *copy_regions(PyObject *self, PyObject *args) {
+    PyObject *dsts, *srcs;
+    Py_ssize_t nbytes;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OOn|i", &dsts, &srcs, &nbytes, &threads)) return NULL;
+    Py_ssize_t n = PySequence_Size(dsts);
+    if (n < 0) return NULL;
+    if (PySequence_Size(srcs) != n || nbytes < 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "copy_regions: %zd destinations, %zd sources, %zd bytes each", n,
+                         PySequence_Size(srcs), nbytes);
+        return NULL;
+    }
+    uintptr_t *addr = PyMem_Malloc(sizeof(uintptr_t) * (size_t)(2 * n + 1));
+    if (addr == NULL) return PyErr_NoMemory();
+    regions_ctx c = {.dsts = addr, .srcs = addr + n, .nbytes = (size_t)nbytes};
+    if (addresses(dsts, addr, n, "dsts") < 0 || addresses(srcs, addr + n, n, "srcs") < 0) {
+        PyMem_Free(addr);
+        return NULL;
+    }
+    if (n > 0 && nbytes > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        hcd_team_run(copy_region, &c, n, threads < 1 ? 1 : threads);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(addr);
+    Py_RETURN_NONE;
+}
+
+/* strided_ints(address, count, step, itemsize) -> every step-th of count native signed integers
+   (itemsize 4 or 8) at address, from the first, as a list: each page's first host slot from a CPU
+   index tensor's memory, without the tensor operations that slice and convert it (those cost tens
+   of microseconds when the interpreter's caches are cold). The caller keeps the memory alive. */
+static PyObject *strided_ints(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t count, step, itemsize;
+    if (!PyArg_ParseTuple(args, "Knnn", &address, &count, &step, &itemsize)) return NULL;
+    if (count < 0 || step < 1 || (itemsize != 4 && itemsize != 8) || (address == 0 && count > 0)) {
+        PyErr_Format(PyExc_ValueError, "strided_ints: bad arguments (count %zd, step %zd, itemsize %zd)", count, step,
+                     itemsize);
+        return NULL;
+    }
+    Py_ssize_t n = (count + step - 1) / step;
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = itemsize == 8 ? (long long)((const int64_t *)(uintptr_t)address)[i * step]
+                                    : (long long)((const int32_t *)(uintptr_t)address)[i * step];
+        PyObject *o = PyLong_FromLongLong(v);
+        if (o == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SetItem(out, i, o); /* steals o; cannot fail here */
+    }
+    return out;
+}
+
 /* lower_hex(keys) -> bool: whether every key is a non-empty str of lowercase hex digits (SGLang's
    page hashes are: each is then its own page group), in one branch-free pass over the bytes. */
 static PyObject *lower_hex(PyObject *self, PyObject *keys_in) {
@@ -1781,6 +1870,12 @@ static PyMethodDef methods[] = {
      "post_and_spin(flag, count, ring, seconds, settle) -> whether the count (a native int64) became positive "
      "within seconds: the GIL let go, flag[0] set, the count polled as spin_wait polls; once positive, up to settle "
      "seconds more for the ring to move (the caller has let go of the GIL)."},
+    {"copy_regions", copy_regions, METH_VARARGS,
+     "copy_regions(dsts, srcs, nbytes, threads=1): nbytes copied from each address srcs[i] to dsts[i], shared by "
+     "the calling thread and up to threads - 1 helper threads, the GIL released."},
+    {"strided_ints", strided_ints, METH_VARARGS,
+     "strided_ints(address, count, step, itemsize) -> every step-th of count native signed integers (itemsize 4 or "
+     "8) at address, from the first."},
     {"lower_hex", lower_hex, METH_O,
      "lower_hex(keys) -> whether every key is a non-empty str of lowercase hex digits."},
     {"hex_names", hex_names, METH_VARARGS,

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from hicache_draft import _native
+from hicache_draft.buffer_io import copy_regions, threads_for
 from hicache_draft.capabilities import Attention, Capabilities, HitPolicy, IOPath, PoolKind
 from hicache_draft.config import ParallelConfig
 from hicache_draft.errors import BackendSetupError
@@ -211,6 +212,10 @@ def settle(bindings: Mapping[str, PoolBinding]) -> str | None:
     return next(iter(blocked.values()), None)
 
 
+_COPY_SHARE = 1 << 20
+"""Bytes of flat pages each thread copies into or out of staging, at least (a thread's start costs
+about what copying a few hundred KiB does)."""
+
 STAGING_BYTES = 256 << 20
 """The default staging area of one pool: up to this many bytes (16 to 128 pages)."""
 
@@ -234,7 +239,6 @@ class Staging:
         self.lock = threading.Lock()
         self.tensor = self._memory()
         self._parts: dict[int, list[tuple[tuple[Buffer], torch.Tensor]]] = {}
-        self._typed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
     def region(self) -> Buffer:
         return Buffer(self.tensor.data_ptr(), self.tensor.numel(), owner=self.tensor)
@@ -250,18 +254,6 @@ class Staging:
             self._parts[nbytes] = got
         return got
 
-    def typed(self, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """The tensors of :meth:`parts` viewed as one-dimensional ``dtype`` tensors (``nbytes`` a
-        multiple of its size), made once per size, type and memory: a flat page of that type is
-        copied from or into its piece in one call, without a view of it per page."""
-        key = (nbytes, dtype)
-        got = self._typed.get(key)
-        if got is None:
-            count = self.tensor.numel() // nbytes
-            got = list(self.tensor[: count * nbytes].view(count, nbytes).view(dtype).unbind(0))
-            self._typed[key] = got
-        return got
-
     def _memory(self) -> torch.Tensor:
         torch = import_torch()
         return torch.zeros(self.pages * self.page_nbytes, dtype=torch.uint8)
@@ -270,7 +262,6 @@ class Staging:
         """Abandon the current memory to a call that may still use it (its Buffers keep it alive)."""
         self.tensor = self._memory()
         self._parts = {}
-        self._typed = {}
 
 
 @dataclass
@@ -285,7 +276,7 @@ class Batch:
     staged: list[torch.Tensor] = field(default_factory=list)
     slots: list[int] | None = None
     flats: Sequence[torch.Tensor] | None = None
-    typed: list[torch.Tensor] | None = None  # staged, viewed as the flats' type (flats of one type, 1-D)
+    flat_ptrs: list[int] | None = None  # the flats' addresses (plain CPU flats, one part a page)
 
     @property
     def zero_copy_slots(self) -> list[int]:
@@ -388,26 +379,34 @@ class PoolBinding:
         rows = list(stage.unbind(0)) if n else []
         return rows, [(Buffer(r.data_ptr(), r.numel(), owner=stage),) for r in rows]
 
+    def check_slots(self, slots: Sequence[int]) -> None:
+        """ValueError (from :meth:`HostPool.page_index`) unless every slot starts a page of the host pool."""
+        assert self.host is not None, f"pool {self.name!r} has no host memory"
+        if self.zero_copy:
+            self.host.slot_buffers(self.split).check(slots)
+        else:
+            for s in slots:
+                self.host.page_index(s)
+
     @property
     def chunk_pages(self) -> int | None:
         """The most pages one generic call can take (the staging area's size), or None."""
         return None if self.staging is None else max(1, self.staging.pages)
 
     def slot_batch(self, groups: Sequence[str], slots: Sequence[int], *, fill: bool,
-                   keys: Sequence[str] | None = None) -> Batch:
+                   keys: Sequence[str] | None = None, checked: bool = False) -> Batch:
         """Pages for ``groups`` at host ``slots`` (first slot of each page). ``fill``: copy the pool's
-        bytes into staging (a write). ``keys``: the pages' keys when the caller has them."""
+        bytes into staging (a write). ``keys``: the pages' keys when the caller has them. ``checked``:
+        the caller already passed ``slots`` through :meth:`check_slots`."""
         assert self.host is not None, f"pool {self.name!r} has no host memory"
         slots = list(slots)
         keys = list(keys) if keys is not None else self.keys(groups)
+        if not checked:
+            self.check_slots(slots)
         if self.zero_copy:
-            index = self.host.slot_buffers(self.split)
-            index.check(slots)
-            bufs = index.buffers(slots)
+            bufs = self.host.slot_buffers(self.split).buffers(slots)
             pages = self._page(keys, groups, bufs)
             return Batch(self, PageTransfer(self.name, pages, True), slots=slots)
-        for s in slots:
-            self.host.page_index(s)
         rows, bufs = self._rows(len(slots) * self.split)
         if fill:
             for n, row in enumerate(rows):
@@ -418,45 +417,30 @@ class PoolBinding:
                    keys: Sequence[str] | None = None) -> Batch:
         """Pages for flat data pages (one tensor per page, SGLang's ``get_data_page(i, flat=True)``
         order), always through staging. ``fill``: copy the flats into staging (a write)."""
+        nbytes = self.spec.page_nbytes
         for f in flats:
-            if f.numel() * f.element_size() != self.spec.page_nbytes:
-                raise ValueError(f"flat {self.name} page of {f.numel() * f.element_size()} bytes, "
-                                 f"expected {self.spec.page_nbytes}")
+            if f.nbytes != nbytes:
+                raise ValueError(f"flat {self.name} page of {f.nbytes} bytes, expected {nbytes}")
         keys = list(keys) if keys is not None else self.keys(groups)
         rows, bufs = self._rows(len(flats) * self.split)
-        typed = self._typed_rows(flats, len(rows))
+        ptrs = self._flat_ptrs(flats)
         if fill:
-            if typed is not None:  # one call: no view of each page (a few torch calls a page otherwise)
-                torch = import_torch()
-                torch.cat(list(flats), out=self.staging.tensor[: len(rows) * self.part_nbytes].view(flats[0].dtype))
-            elif (raw := self._raw(flats)) is not None and self.staging is not None and rows:
-                torch = import_torch()
-                torch.cat(raw, out=self.staging.tensor[: len(rows) * self.part_nbytes])
+            if ptrs is not None:
+                threads = threads_for(len(ptrs) * nbytes, _COPY_SHARE)
+                copy_regions([b[0].ptr for b in bufs], ptrs, nbytes, threads=threads)
             else:
                 for n, row in enumerate(rows):
                     self._one_page(flats[n // self.split]).copy_page_out(0, row, n % self.split, self.split)
         return Batch(self, PageTransfer(self.name, self._page(keys, groups, bufs), False), staged=rows, flats=flats,
-                     typed=typed)
+                     flat_ptrs=ptrs)
 
-    def _typed_rows(self, flats: Sequence[torch.Tensor], n: int) -> list[torch.Tensor] | None:
-        """The first ``n`` staging rows as tensors of the flats' type, when the flats are
-        one-dimensional tensors of one type filling a row each (one part per page, staging held);
-        else None."""
-        if self.split != 1 or self.staging is None or not flats:
+    def _flat_ptrs(self, flats: Sequence[torch.Tensor]) -> list[int] | None:
+        """The flats' addresses when each is a contiguous CPU tensor holding one whole page (one
+        part per page): its bytes are then the stored page, copied in one compiled call for the
+        batch (one torch copy a page cost a call on top of its bytes); else None."""
+        if self.split != 1 or not all(f.is_cpu and f.is_contiguous() for f in flats):
             return None
-        dtype = flats[0].dtype
-        if self.part_nbytes % flats[0].element_size():
-            return None
-        if not all(f.dtype is dtype and f.dim() == 1 and f.is_cpu for f in flats):
-            return None
-        return self.staging.typed(self.part_nbytes, dtype)[:n]
-
-    def _raw(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-        """One part per page and plain CPU tensors: a flat page's bytes are its stored bytes."""
-        if self.split != 1 or not all(f.is_contiguous() and f.device.type == "cpu" for f in flats):
-            return None
-        torch = import_torch()
-        return [f.view(-1).view(torch.uint8) for f in flats]
+        return [f.data_ptr() for f in flats]
 
     def _one_page(self, flat: torch.Tensor) -> HostPool:
         torch = import_torch()
@@ -490,12 +474,12 @@ class PoolBinding:
         oks = self.page_oks(results) if len(results) == pages * self.split else [False] * pages
         if upto is not None:
             oks = [o and i < upto for i, o in enumerate(oks)]
-        if batch.typed is not None:  # flats of one type: each copied from its typed row, no view made
-            for flat, row, ok in zip(batch.flats or (), batch.typed, oks, strict=True):
-                if ok:
-                    flat.copy_(row)
+        if batch.flat_ptrs is not None:  # plain CPU flats: the pages that came back, in one call
+            sent, nbytes = batch.transfer.pages, self.part_nbytes
+            dsts = [p for p, ok in zip(batch.flat_ptrs, oks, strict=True) if ok]
+            srcs = [sent[i].buffers[0].ptr for i, ok in enumerate(oks) if ok]
+            copy_regions(dsts, srcs, nbytes, threads=threads_for(len(dsts) * nbytes, _COPY_SHARE))
         elif batch.staged:
-            raw = self._raw(batch.flats) if batch.flats is not None else None
             for n, row in enumerate(batch.staged):
                 i, part = divmod(n, self.split)
                 if not oks[i]:
@@ -503,11 +487,13 @@ class PoolBinding:
                 if batch.slots is not None:
                     assert self.host is not None
                     self.host.copy_page_in(batch.slots[i], row, part, self.split)
-                elif raw is not None:
-                    raw[i].copy_(row)
                 else:
                     assert batch.flats is not None
-                    self._one_page(batch.flats[i]).copy_page_in(0, row, part, self.split)
+                    flat = batch.flats[i]
+                    whole = flat.contiguous()  # a copy when flat is not contiguous: written back below
+                    self._one_page(whole).copy_page_in(0, row, part, self.split)
+                    if whole is not flat:
+                        flat.copy_(whole)
         return oks
 
 

@@ -12,6 +12,7 @@ are, no view is made) or any object with the buffer protocol (``bytes``, ``bytea
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 from hicache_draft import _native
@@ -19,6 +20,22 @@ from hicache_draft.transfer import Buffer
 
 IOV_MAX: int = _native.IOV_MAX
 _NO_CHUNK = 1 << 62
+
+CORE_THREADS = max(1, min(16, os.cpu_count() or 1))
+"""The most threads one call of the core's compiled helpers uses: the calling thread and helpers."""
+
+
+def threads_for(nbytes: int, share: int, most: int = CORE_THREADS) -> int:
+    """Threads for a call that moves or hashes ``nbytes``: one per ``share`` bytes, at least one and
+    at most ``most``."""
+    return min(most, max(1, nbytes // share))
+
+
+def copy_regions(dsts: Sequence[int], srcs: Sequence[int], nbytes: int, *, threads: int = 1) -> None:
+    """Copy ``nbytes`` from each address ``srcs[i]`` to ``dsts[i]`` (regions that do not overlap,
+    kept alive by the caller), with the GIL released, shared by the calling thread and up to
+    ``threads - 1`` of the core's compiled helper threads."""
+    _native.copy_regions(dsts, srcs, nbytes, threads)
 
 
 def read_into(fd: int, offset: int, buffers: Sequence[Buffer | bytearray | memoryview]) -> int:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import os
 import threading
 import time
 import weakref
@@ -41,6 +40,7 @@ from pydantic import BaseModel, ValidationError
 
 from hicache_draft import _native
 from hicache_draft.backend import BackendContext, StorageBackend
+from hicache_draft.buffer_io import CORE_THREADS, threads_for
 from hicache_draft.capabilities import Capabilities
 from hicache_draft.errors import BackendSetupError, ConfigError, PluginError
 from hicache_draft.page_format import (
@@ -441,13 +441,13 @@ _VERIFY_CHUNK_BYTES = 4 << 20  # below this per worker, one thread makes or chec
 # its noise. The hash (about 30 GB/s a core, as fast from memory as from cache) is what verification
 # costs; a read per record (64 KiB) costs a call per record on top.
 _RECORD_CHUNK = 256 << 10
-_VERIFY_WORKERS = max(1, min(16, os.cpu_count() or 1))
+_VERIFY_WORKERS = CORE_THREADS
 
 
 def _threads_for(nbytes: int) -> int:
     """Threads to make or check the headers of ``nbytes`` of pages: one per ``_VERIFY_CHUNK_BYTES``,
     at most ``_VERIFY_WORKERS`` (the calling thread and the core's compiled helpers)."""
-    return min(_VERIFY_WORKERS, max(1, nbytes // _VERIFY_CHUNK_BYTES))
+    return threads_for(nbytes, _VERIFY_CHUNK_BYTES, _VERIFY_WORKERS)
 
 
 def attach_headers(transfers: Sequence[PageTransfer], made: bool, parallel: bool = False) -> list[PageTransfer]:

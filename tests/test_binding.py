@@ -546,12 +546,12 @@ def test_a_target_pool_the_backend_cannot_hold_disables_every_pool(memory):
         ctrl.close()
 
 
-@pytest.mark.parametrize("shape", ["1-D", "2-D", "mixed types"])
+@pytest.mark.parametrize("shape", ["1-D", "2-D", "mixed types", "strided"])
 def test_flat_pages_go_through_staging_byte_exact_whatever_their_shape(shape: str) -> None:
     """SGLang's generic path: flat pages copied into staging on a write and back out after a read.
-    One-dimensional flats of one type take one call in (a typed view of the staging area) and a
-    copy each out, with no view of each page; any other flats take the per-page path. Both move
-    exactly the pages' bytes, and a page whose read failed is left untouched."""
+    Contiguous CPU flats, whatever their shape and type, are copied in and out in one compiled call
+    for the batch; others (here every other element of a wider tensor) take the per-page path.
+    Both move exactly the pages' bytes, and a page whose read failed is left untouched."""
     spec = PoolSpec(kind="kv", attention=Attention.MHA, layers=2, page_size=PS, dtype="bfloat16",
                     layout=Layout.PAGE_FIRST, kv_heads=2, head_dim=8)
     plan = plan_binding(spec, ALL_CAPS, ParallelConfig(), model="m", target_model="m")
@@ -562,13 +562,19 @@ def test_flat_pages_go_through_staging_byte_exact_whatever_their_shape(shape: st
         flats = [f.view(2, numel // 2) for f in flats]
     elif shape == "mixed types":
         flats = [flats[0], flats[1].view(torch.int16), flats[2]]
+    elif shape == "strided":
+        flats = [torch.stack([f, torch.zeros_like(f)], 1)[:, 0] for f in flats]
+        assert not any(f.is_contiguous() for f in flats)
     want = [bytes(f.contiguous().view(-1).view(torch.uint8).tolist()) for f in flats]
     wrote = b.flat_batch(["a", "b", "c"], flats, fill=True)
-    assert (wrote.typed is not None) is (shape == "1-D")
+    assert (wrote.flat_ptrs is not None) is (shape != "strided")
     staged = [bytes(r.tolist()) for r in wrote.staged]
     assert staged == want
     outs = [torch.zeros_like(f) for f in flats]
+    if shape == "strided":
+        outs = [torch.zeros(f.numel(), 2, dtype=f.dtype)[:, 0] for f in flats]
     read = b.flat_batch(["a", "b", "c"], outs, fill=False)
+    assert (read.flat_ptrs is not None) is (shape != "strided")
     assert b.finish_get(read, [PageResult.OK, PageResult.FAILED, PageResult.OK]) == [True, False, True]
     got = [bytes(f.contiguous().view(-1).view(torch.uint8).tolist()) for f in outs]
     assert got == [want[0], bytes(len(want[1])), want[2]]

@@ -130,3 +130,42 @@ def test_device_pools_have_geometry_but_no_buffers():
     assert [tuple(r.shape) for r in dev.page_regions(4)] == [(2, 4, 2, 8), (2, 4, 2, 8)]
     with pytest.raises(ValueError, match="host"):
         dev.page_buffers(4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pages=st.integers(0, 40), ps=st.integers(1, 9), dtype=st.sampled_from([torch.int64, torch.int32, torch.int16]),
+    shape=st.sampled_from(["flat", "2d", "strided", "list"]), data=st.data(),
+)
+def test_first_slots_is_every_page_size_th_index(pages, ps, dtype, shape, data):
+    """Each page's first slot, whatever SGLang hands: a flat or 2-D index tensor read from its
+    memory, a non-contiguous one or one of another type sliced, or a list."""
+    from hicache_draft.pools import first_slots
+
+    values = data.draw(st.lists(st.integers(-(2**15), 2**15 - 1), min_size=pages * ps, max_size=pages * ps))
+    want = values[::ps]
+    flat = torch.tensor(values, dtype=dtype)
+    if shape == "flat":
+        got = first_slots(flat, ps)
+    elif shape == "2d":
+        got = first_slots(flat.reshape(pages, ps) if pages else flat.reshape(0, ps), ps)
+    elif shape == "strided":  # every other element of a twice-as-long tensor: not contiguous
+        wide = torch.zeros(2 * len(values), dtype=dtype)
+        wide[::2] = flat
+        assert not wide[::2].is_contiguous() or not values
+        got = first_slots(wide[::2], ps)
+    else:
+        got = first_slots(values, ps)
+    assert got == want
+    assert all(type(s) is int for s in got)
+
+
+def test_strided_ints_refuses_bad_arguments():
+    from hicache_draft import _native
+
+    t = torch.arange(8, dtype=torch.int64)
+    assert _native.strided_ints(t.data_ptr(), 8, 3, 8) == [0, 3, 6]
+    assert _native.strided_ints(t.data_ptr(), 0, 3, 8) == []
+    for args in ((t.data_ptr(), 8, 0, 8), (t.data_ptr(), 8, 1, 2), (t.data_ptr(), -1, 1, 8), (0, 4, 1, 8)):
+        with pytest.raises(ValueError, match="strided_ints: bad arguments"):
+            _native.strided_ints(*args)

@@ -70,7 +70,7 @@ from hicache_draft.integrations.sglang_pools import (
     legacy_draft_spec,
     plan_pool,
 )
-from hicache_draft.pools import HostPool, PoolSpec
+from hicache_draft.pools import HostPool, PoolSpec, first_slots
 from hicache_draft.store import Store
 
 _sg = load_storage_module()
@@ -406,7 +406,7 @@ class HiCacheDraftStorage(HiCacheStorage):
             groups = job.groups[lo:end]
             keys = None if job.keys is None else job.keys[lo * b.split : end * b.split]
             if job.slots is not None:
-                batch = b.slot_batch(groups, job.slots[lo:end], fill=op == "set", keys=keys)
+                batch = b.slot_batch(groups, job.slots[lo:end], fill=op == "set", keys=keys, checked=True)
             else:
                 assert job.flats is not None
                 batch = b.flat_batch(groups, job.flats[lo:end], fill=op == "set", keys=keys)
@@ -455,15 +455,9 @@ class HiCacheDraftStorage(HiCacheStorage):
             self._warn_once(f"indices:{binding.name}", "hicache-draft: %s: %d host indices for %d pages of %d tokens",
                             binding.name, count, len(keys), ps)
             return None
-        # only each page's first slot is used: sliced before it becomes Python ints (a 128-page
-        # call of 16-token pages: 3 us, against 27 us for every token's index)
-        slots = host_indices.reshape(-1)[::ps].tolist() if tensor else [int(s) for s in list(host_indices)[::ps]]
+        slots = first_slots(host_indices, ps)  # only each page's first slot is used
         try:
-            if binding.zero_copy:
-                binding.host.slot_buffers(binding.split).check(slots)
-            else:
-                for s in slots:
-                    binding.host.page_index(s)
+            binding.check_slots(slots)
         except ValueError as exc:
             self._warn_once(f"slot:{binding.name}", "hicache-draft: %s: %s", binding.name, exc)
             return None

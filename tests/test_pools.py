@@ -152,7 +152,7 @@ def test_first_slots_is_every_page_size_th_index(pages, ps, dtype, shape, data):
     elif shape == "strided":  # every other element of a twice-as-long tensor: not contiguous
         wide = torch.zeros(2 * len(values), dtype=dtype)
         wide[::2] = flat
-        assert not wide[::2].is_contiguous() or not values
+        assert not wide[::2].is_contiguous() or len(values) < 2  # torch calls 0 or 1 element contiguous
         got = first_slots(wide[::2], ps)
     else:
         got = first_slots(values, ps)

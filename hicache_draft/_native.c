@@ -1595,6 +1595,149 @@ fail:
     return NULL;
 }
 
+/* slot_pages(slots, page_size, limit, template, owner, cache, cache_limit, keys, groups, namespace,
+   page_type, page_fields, buffer_type, buffer_fields) -> list | None: the zero-copy pages of host
+   slots in one call (what binding.slot_batch made from SlotBuffers.buffers and make_pages: two
+   Python passes, each paying for interpreter caches that a storage call has just cooled). Page i
+   (key keys[i], group groups[i], namespace, header None) gets slot i's buffers: cache[slot][0] when
+   the slot is in `cache` (a dict: slot -> (buffers,), SlotBuffers.cache), else one buffer_type per
+   template entry (ptr, nbytes, stride): ptr + (slot / page_size) * stride, nbytes, owner, kept in
+   `cache` while it holds fewer than cache_limit slots. None, before anything is made, unless every
+   slot is a multiple of page_size in [0, limit). */
+#define SLOT_PAGES_MAX_BUFFERS 64
+static PyObject *slot_buffers_new(PyObject *buffer_type, const field_ref *bf, Py_ssize_t nb,
+                                  const unsigned long long *at, const long long *stride, PyObject *const *size,
+                                  PyObject *owner, long long page) {
+    PyObject *bufs = PyTuple_New(nb);
+    if (bufs == NULL) return NULL;
+    for (Py_ssize_t j = 0; j < nb; j++) {
+        PyObject *b = new_of(buffer_type);
+        if (b == NULL) goto fail;
+        PyTuple_SetItem(bufs, j, b); /* steals */
+        PyObject *ptr = PyLong_FromUnsignedLongLong(at[j] + (unsigned long long)(page * stride[j]));
+        int rc = ptr == NULL ? -1 : bf[0].set(bf[0].desc, b, ptr);
+        Py_XDECREF(ptr);
+        if (rc == 0) rc = bf[1].set(bf[1].desc, b, size[j]);
+        if (rc == 0) rc = bf[2].set(bf[2].desc, b, owner);
+        if (rc < 0) goto fail;
+    }
+    return bufs;
+fail:
+    Py_DECREF(bufs);
+    return NULL;
+}
+
+static PyObject *slot_pages(PyObject *self, PyObject *args) {
+    PyObject *slots_in, *tmpl_in, *owner, *cache, *keys_in, *groups_in, *ns, *page_type, *page_fields,
+        *buffer_type, *buffer_fields;
+    Py_ssize_t ps, limit, cache_limit;
+    if (!PyArg_ParseTuple(args, "OnnOOOnOOOOOOO:slot_pages", &slots_in, &ps, &limit, &tmpl_in, &owner, &cache,
+                          &cache_limit, &keys_in, &groups_in, &ns, &page_type, &page_fields, &buffer_type,
+                          &buffer_fields))
+        return NULL;
+    if (!PyType_Check(page_type) || !PyType_Check(buffer_type) || !PyDict_Check(cache)) {
+        PyErr_SetString(PyExc_TypeError, "slot_pages: page_type and buffer_type must be types, cache a dict");
+        return NULL;
+    }
+    if (ps < 1 || limit < 0 || !PyUnicode_Check(ns)) {
+        PyErr_Format(PyExc_ValueError, "slot_pages: bad arguments (page_size %zd, limit %zd, namespace a str)", ps,
+                     limit);
+        return NULL;
+    }
+    field_ref pf[5], bf[3];
+    if (fields_load(page_fields, pf, 5) < 0 || fields_load(buffer_fields, bf, 3) < 0) return NULL;
+    PyObject *tmpl = PySequence_Tuple(tmpl_in);
+    if (tmpl == NULL) return NULL;
+    Py_ssize_t nb = PyTuple_Size(tmpl);
+    unsigned long long at[SLOT_PAGES_MAX_BUFFERS];
+    long long stride[SLOT_PAGES_MAX_BUFFERS];
+    PyObject *size[SLOT_PAGES_MAX_BUFFERS]; /* borrowed from tmpl */
+    if (nb < 1 || nb > SLOT_PAGES_MAX_BUFFERS) {
+        PyErr_Format(PyExc_ValueError, "slot_pages: template of %zd buffers (1 to %d)", nb, SLOT_PAGES_MAX_BUFFERS);
+        Py_DECREF(tmpl);
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < nb; j++) {
+        PyObject *t = PyTuple_GetItem(tmpl, j);
+        if (!PyTuple_Check(t) || PyTuple_Size(t) != 3) {
+            PyErr_SetString(PyExc_TypeError, "slot_pages: each template entry is (ptr, nbytes, stride)");
+            Py_DECREF(tmpl);
+            return NULL;
+        }
+        at[j] = PyLong_AsUnsignedLongLong(PyTuple_GetItem(t, 0));
+        size[j] = PyTuple_GetItem(t, 1);
+        stride[j] = PyLong_AsLongLong(PyTuple_GetItem(t, 2));
+        if (PyErr_Occurred()) {
+            Py_DECREF(tmpl);
+            return NULL;
+        }
+    }
+    PyObject *slots = PySequence_Tuple(slots_in), *keys = NULL, *groups = NULL, *out = NULL;
+    if (slots == NULL) goto fail;
+    keys = PySequence_Tuple(keys_in);
+    groups = keys ? PySequence_Tuple(groups_in) : NULL;
+    if (groups == NULL) goto fail;
+    Py_ssize_t n = PyTuple_Size(slots);
+    if (PyTuple_Size(keys) != n || PyTuple_Size(groups) != n) {
+        PyErr_SetString(PyExc_ValueError, "slot_pages: slots, keys and groups differ in length");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PyTuple_GetItem(slots, i));
+        if (v == -1 && PyErr_Occurred()) goto fail;
+        if (v < 0 || v >= (long long)limit || v % ps) {
+            Py_DECREF(slots);
+            Py_DECREF(keys);
+            Py_DECREF(groups);
+            Py_DECREF(tmpl);
+            Py_RETURN_NONE;
+        }
+    }
+    out = PyList_New(n);
+    if (out == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pg = new_of(page_type);
+        if (pg == NULL) goto fail;
+        PyList_SetItem(out, i, pg); /* steals: owned by the list from here */
+        PyObject *slot = PyTuple_GetItem(slots, i), *bufs = NULL;
+        PyObject *parts = PyDict_GetItemWithError(cache, slot); /* borrowed */
+        if (parts != NULL && PyTuple_Check(parts) && PyTuple_Size(parts) == 1) {
+            bufs = PyTuple_GetItem(parts, 0);
+            Py_INCREF(bufs);
+        } else {
+            if (PyErr_Occurred()) goto fail;
+            bufs = slot_buffers_new(buffer_type, bf, nb, at, stride, size, owner, PyLong_AsLongLong(slot) / ps);
+            if (bufs == NULL) goto fail;
+            if (PyDict_Size(cache) < cache_limit) {
+                PyObject *kept = PyTuple_Pack(1, bufs);
+                int rc = kept == NULL ? -1 : PyDict_SetItem(cache, slot, kept);
+                Py_XDECREF(kept);
+                if (rc < 0) {
+                    Py_DECREF(bufs);
+                    goto fail;
+                }
+            }
+        }
+        PyObject *vals[5] = {PyTuple_GetItem(keys, i), PyTuple_GetItem(groups, i), ns, bufs, Py_None};
+        int rc = 0;
+        for (int f = 0; f < 5 && rc == 0; f++) rc = pf[f].set(pf[f].desc, pg, vals[f]);
+        Py_DECREF(bufs);
+        if (rc < 0) goto fail;
+    }
+    Py_DECREF(slots);
+    Py_DECREF(keys);
+    Py_DECREF(groups);
+    Py_DECREF(tmpl);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_XDECREF(slots);
+    Py_XDECREF(keys);
+    Py_XDECREF(groups);
+    Py_DECREF(tmpl);
+    return NULL;
+}
+
 /* ---- spinning hand-over (the Store's worker threads, hicache_draft/workers.py) ---------------- */
 
 /* A flag: a byte set once a call's result is ready. A count: 8 bytes holding a native int64, the
@@ -1741,20 +1884,29 @@ static PyObject *copy_regions(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* strided_ints(address, count, step, itemsize) -> every step-th of count native signed integers
-   (itemsize 4 or 8) at address, from the first, as a list: each page's first host slot from a CPU
-   index tensor's memory, without the tensor operations that slice and convert it (those cost tens
-   of microseconds when the interpreter's caches are cold). The caller keeps the memory alive. */
+/* strided_ints(address, count, step, itemsize, limit=-1) -> every step-th of count native signed
+   integers (itemsize 4 or 8) at address, from the first, as a list: each page's first host slot from a
+   CPU index tensor's memory, without the tensor operations that slice and convert it (those cost tens
+   of microseconds when the interpreter's caches are cold). With limit >= 0, None unless every value
+   is a multiple of step in [0, limit) (each starts a page of a pool of limit slots), checked in the
+   same pass. The caller keeps the memory alive. */
 static PyObject *strided_ints(PyObject *self, PyObject *args) {
     unsigned long long address;
-    Py_ssize_t count, step, itemsize;
-    if (!PyArg_ParseTuple(args, "Knnn", &address, &count, &step, &itemsize)) return NULL;
+    Py_ssize_t count, step, itemsize, limit = -1;
+    if (!PyArg_ParseTuple(args, "Knnn|n", &address, &count, &step, &itemsize, &limit)) return NULL;
     if (count < 0 || step < 1 || (itemsize != 4 && itemsize != 8) || (address == 0 && count > 0)) {
         PyErr_Format(PyExc_ValueError, "strided_ints: bad arguments (count %zd, step %zd, itemsize %zd)", count, step,
                      itemsize);
         return NULL;
     }
     Py_ssize_t n = (count + step - 1) / step;
+    if (limit >= 0) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long long v = itemsize == 8 ? (long long)((const int64_t *)(uintptr_t)address)[i * step]
+                                        : (long long)((const int32_t *)(uintptr_t)address)[i * step];
+            if (v < 0 || v >= (long long)limit || v % step) Py_RETURN_NONE;
+        }
+    }
     PyObject *out = PyList_New(n);
     if (out == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -1874,8 +2026,14 @@ static PyMethodDef methods[] = {
      "copy_regions(dsts, srcs, nbytes, threads=1): nbytes copied from each address srcs[i] to dsts[i], shared by "
      "the calling thread and up to threads - 1 helper threads, the GIL released."},
     {"strided_ints", strided_ints, METH_VARARGS,
-     "strided_ints(address, count, step, itemsize) -> every step-th of count native signed integers (itemsize 4 or "
-     "8) at address, from the first."},
+     "strided_ints(address, count, step, itemsize, limit=-1) -> every step-th of count native signed integers "
+     "(itemsize 4 or 8) at address, from the first; with limit >= 0, None unless each is a multiple of step in "
+     "[0, limit)."},
+    {"slot_pages", slot_pages, METH_VARARGS,
+     "slot_pages(slots, page_size, limit, template, owner, cache, cache_limit, keys, groups, namespace, page_type, "
+     "page_fields, buffer_type, buffer_fields) -> the zero-copy pages of host slots (each slot's buffers from "
+     "cache[slot][0], else one per template entry (ptr, nbytes, stride) at ptr + slot // page_size * stride, kept "
+     "in cache below cache_limit slots), or None unless every slot is a multiple of page_size in [0, limit)."},
     {"lower_hex", lower_hex, METH_O,
      "lower_hex(keys) -> whether every key is a non-empty str of lowercase hex digits."},
     {"hex_names", hex_names, METH_VARARGS,

@@ -36,8 +36,16 @@ from hicache_draft.capabilities import Attention, Capabilities, HitPolicy, IOPat
 from hicache_draft.config import ParallelConfig
 from hicache_draft.errors import BackendSetupError
 from hicache_draft.keys import make_key, pool_identities
-from hicache_draft.pools import HostPool, PoolSpec, import_torch
-from hicache_draft.transfer import _PAGE_FIELDS, Buffer, Page, PageResult, PageTransfer, PoolRegistration
+from hicache_draft.pools import HostPool, PoolSpec, first_slots, import_torch
+from hicache_draft.transfer import (
+    _BUFFER_FIELDS,
+    _PAGE_FIELDS,
+    Buffer,
+    Page,
+    PageResult,
+    PageTransfer,
+    PoolRegistration,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -367,6 +375,22 @@ class PoolBinding:
         return _native.make_pages(keys, gs, self.namespaces * len(groups), bufs, Page,  # type: ignore[return-value]
                                   _PAGE_FIELDS)
 
+    def _slot_pages(self, keys: list[str], groups: Sequence[str], slots: list[int]) -> list[Page]:
+        """The zero-copy pages at host ``slots``: for one part a page (and buffers at a fixed stride
+        from page to page) in one compiled call, which checks every slot again before it makes
+        anything, so a slot that does not start a page of the pool never becomes an address;
+        otherwise from :meth:`SlotBuffers.buffers <hicache_draft.pools.SlotBuffers.buffers>`."""
+        assert self.host is not None
+        view = self.host.slot_buffers(self.split)
+        if self.split == 1 and view.template is not None:
+            pages = _native.slot_pages(slots, view.page_size, view.slots, view.template[0], view.pool, view.cache,
+                                       view.limit, keys, groups, self.namespaces[0], Page, _PAGE_FIELDS, Buffer,
+                                       _BUFFER_FIELDS)
+            if pages is not None:
+                return pages  # type: ignore[return-value]
+            view.check(slots)  # raises, naming the slot
+        return self._page(keys, groups, view.buffers(slots))
+
     def _rows(self, n: int) -> tuple[list[torch.Tensor], list[tuple[Buffer, ...]]]:
         """``n`` staging rows (one per page part) and their buffers."""
         if self.staging is not None:
@@ -378,6 +402,13 @@ class PoolBinding:
         stage = torch.empty((n, self.part_nbytes), dtype=torch.uint8)
         rows = list(stage.unbind(0)) if n else []
         return rows, [(Buffer(r.data_ptr(), r.numel(), owner=stage),) for r in rows]
+
+    def page_slots(self, indices: object) -> list[int]:
+        """Each page's first host slot from per-token host indices (a tensor of any shape or a
+        sequence, as SGLang hands them), every one checked to start a page of the host pool
+        (ValueError naming the first that does not)."""
+        assert self.host is not None, f"pool {self.name!r} has no host memory"
+        return first_slots(indices, self.spec.page_size, self.host.slots)
 
     def check_slots(self, slots: Sequence[int]) -> None:
         """ValueError (from :meth:`HostPool.page_index`) unless every slot starts a page of the host pool."""
@@ -404,9 +435,7 @@ class PoolBinding:
         if not checked:
             self.check_slots(slots)
         if self.zero_copy:
-            bufs = self.host.slot_buffers(self.split).buffers(slots)
-            pages = self._page(keys, groups, bufs)
-            return Batch(self, PageTransfer(self.name, pages, True), slots=slots)
+            return Batch(self, PageTransfer(self.name, self._slot_pages(keys, groups, slots), True), slots=slots)
         rows, bufs = self._rows(len(slots) * self.split)
         if fill:
             for n, row in enumerate(rows):

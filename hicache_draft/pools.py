@@ -360,7 +360,7 @@ class HostPool:
         """The page whose first slot is ``slot``; ValueError if unaligned or out of range."""
         ps = self.spec.page_size
         if slot % ps or not 0 <= slot < self.slots:
-            raise ValueError(f"host slot {slot} is not the first slot of a page (page_size {ps}, {self.slots} slots)")
+            raise not_a_page_start(slot, ps, self.slots)
         return slot // ps
 
     def row_views(self, slot: int) -> list[torch.Tensor]:
@@ -523,12 +523,12 @@ class SlotBuffers:
         self.limit = _CACHED_BUFFERS // max(1, pool.spec.buffers_per_page() * split)
         first = self._exact(0)
         # page p's buffer j sits at page 0's plus p * stride_j (one stride per array)
-        self.template: list[list[tuple[int, int, int]]] | None = [[(b.ptr, b.nbytes, 0) for b in part]
-                                                                  for part in first]
+        self.template: tuple[tuple[tuple[int, int, int], ...], ...] | None = tuple(
+            tuple((b.ptr, b.nbytes, 0) for b in part) for part in first)
         if pool.num_pages > 1:
             second = self._exact(self.page_size)
-            self.template = [[(b.ptr, b.nbytes, c.ptr - b.ptr) for b, c in zip(pa, pb, strict=True)]
-                             for pa, pb in zip(first, second, strict=True)]
+            self.template = tuple(tuple((b.ptr, b.nbytes, c.ptr - b.ptr) for b, c in zip(pa, pb, strict=True))
+                                  for pa, pb in zip(first, second, strict=True))
             for p in (1, pool.num_pages - 1):
                 if self._shifted(p) != self._exact(p * self.page_size):
                     self.template = None
@@ -564,15 +564,30 @@ class SlotBuffers:
         return [part for s in slots for part in (get(s) or fill(s))]
 
 
-def first_slots(indices: object, page_size: int) -> list[int]:
+def not_a_page_start(slot: int, page_size: int, slots: int) -> ValueError:
+    """The error for a host slot that does not start a page of a pool of ``slots`` slots."""
+    return ValueError(f"host slot {slot} is not the first slot of a page (page_size {page_size}, {slots} slots)")
+
+
+def first_slots(indices: object, page_size: int, limit: int | None = None) -> list[int]:
     """Each page's first host slot, ``indices[i * page_size]``, from per-token host slots (a tensor
     of any shape, read in order, or a sequence). A contiguous CPU tensor of 32- or 64-bit integers
     (what SGLang hands) is read from its memory in one compiled pass: slicing it and converting the
     slice cost 40 us for 128 pages when the interpreter's caches are cold, as they are after a
-    storage call."""
+    storage call. With ``limit`` (the pool's slots), every slot is checked to start a page, in the
+    same pass (ValueError naming the first that does not, as :meth:`HostPool.page_index` does)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(indices, torch.Tensor):
         if indices.is_cpu and indices.dtype in (torch.int64, torch.int32) and indices.is_contiguous():
-            return _native.strided_ints(indices.data_ptr(), indices.numel(), page_size, indices.element_size())
-        return indices.reshape(-1)[::page_size].tolist()
-    return [int(s) for s in list(indices)[::page_size]]  # type: ignore[call-overload]
+            got = _native.strided_ints(indices.data_ptr(), indices.numel(), page_size, indices.element_size(),
+                                       -1 if limit is None else limit)
+            if got is not None:
+                return got
+        slots = indices.reshape(-1)[::page_size].tolist()
+    else:
+        slots = [int(s) for s in list(indices)[::page_size]]  # type: ignore[call-overload]
+    if limit is not None:
+        bad = next((s for s in slots if s % page_size or not 0 <= s < limit), None)
+        if bad is not None:
+            raise not_a_page_start(bad, page_size, limit)
+    return slots

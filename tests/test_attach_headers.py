@@ -175,6 +175,46 @@ def test_compiled_pages_are_the_pages_init_makes(n, nbuf, per_page_ns) -> None:
             q.group = "x"  # type: ignore[misc]
 
 
+def test_compiled_slot_pages_refuse_bad_arguments_and_leak_nothing() -> None:
+    """``_native.slot_pages`` (the zero-copy pages of host slots, binding.slot_batch): arguments
+    it cannot use are refused by name; a slot that starts no page makes nothing and answers None;
+    repeated calls keep no reference to the namespace, the owner or the cache's buffers."""
+    from hicache_draft import _native
+    from hicache_draft.transfer import _BUFFER_FIELDS, _PAGE_FIELDS
+
+    owner = bytearray(64)
+    tmpl = ((1000, 16, 64), (2000, 16, 64))
+
+    def call(slots, ps=4, limit=32, template=tmpl, cache=None, keys=("a.b", "c.d"), groups=("a", "c"), ns=NS):
+        return _native.slot_pages(slots, ps, limit, template, owner, {} if cache is None else cache, 1 << 10,
+                                  list(keys), list(groups), ns, Page, _PAGE_FIELDS, Buffer, _BUFFER_FIELDS)
+
+    got = call([8, 0])
+    assert [p.buffers for p in got] == [(Buffer(1128, 16, owner), Buffer(2128, 16, owner)),
+                                         (Buffer(1000, 16, owner), Buffer(2000, 16, owner))]
+    for bad in ([1, 0], [0, 32], [0, -4]):
+        cache: dict[int, object] = {}
+        assert call(bad, cache=cache) is None and cache == {}
+    with pytest.raises(ValueError, match="differ in length"):
+        call([0])
+    with pytest.raises(ValueError, match="template of 0 buffers"):
+        call([0, 4], template=())
+    with pytest.raises(TypeError, match=r"\(ptr, nbytes, stride\)"):
+        call([0, 4], template=((1, 2),))
+    with pytest.raises(ValueError, match="bad arguments"):
+        call([0, 4], ps=0)
+    with pytest.raises(TypeError):
+        call(["0", 4])
+    refs = sys.getrefcount(NS), sys.getrefcount(owner)
+    cache = {}
+    for _ in range(100):
+        call([0, 4], cache=cache)
+        call([12, 16])
+    gc.collect()
+    assert len(cache) == 2 and sys.getrefcount(NS) <= refs[0] + 1
+    assert sys.getrefcount(owner) <= refs[1] + 4  # the cached slots' buffers hold it, nothing else
+
+
 def test_compiled_pages_refuse_sequences_of_different_lengths() -> None:
     from hicache_draft import _native
     from hicache_draft.transfer import _PAGE_FIELDS

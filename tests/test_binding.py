@@ -578,3 +578,71 @@ def test_flat_pages_go_through_staging_byte_exact_whatever_their_shape(shape: st
     assert b.finish_get(read, [PageResult.OK, PageResult.FAILED, PageResult.OK]) == [True, False, True]
     got = [bytes(f.contiguous().view(-1).view(torch.uint8).tolist()) for f in outs]
     assert got == [want[0], bytes(len(want[1])), want[2]]
+
+
+ZERO_COPY_SPECS = {
+    "mha page_first": dict(attention=Attention.MHA, layout=Layout.PAGE_FIRST, kv_heads=2, head_dim=8),
+    "mha layer_first": dict(attention=Attention.MHA, layout=Layout.LAYER_FIRST, kv_heads=2, head_dim=8),
+    "mha page_head": dict(attention=Attention.MHA, layout=Layout.PAGE_HEAD, kv_heads=2, head_dim=8),
+    "mla page_first": dict(attention=Attention.MLA, layout=Layout.PAGE_FIRST, latent_dim=16),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(ZERO_COPY_SPECS)), data=st.data())
+def test_zero_copy_pages_are_the_pools_own_buffers_from_a_cold_or_warm_cache(name: str, data: Any) -> None:
+    """``slot_batch`` on the zero-copy path builds each page in one compiled call from the pool's
+    stride template (or its slot cache): the same key, group, namespace and buffers as a page built
+    from ``HostPool.page_buffers`` one by one, for any slots in any order, repeated or not."""
+    from hicache_draft.transfer import Page
+
+    spec = PoolSpec(kind="kv", layers=2, page_size=PS, dtype="bfloat16", **ZERO_COPY_SPECS[name])
+    pool = HostPool(spec, 6)
+    plan = plan_binding(spec, ALL_CAPS, ParallelConfig(), model="m", target_model="m")
+    b = PoolBinding(plan, pool)
+    assert b.zero_copy
+    pages = data.draw(st.lists(st.integers(0, 5), max_size=12))
+    slots = [p * PS for p in pages]
+    groups = [f"{p:x}{i:x}" for i, p in enumerate(pages)]
+    for _ in range(2):  # the slot cache empty, then holding these slots
+        batch = b.slot_batch(groups, slots, fill=False)
+        want = [Page(k, g, b.namespaces[0], pool.page_buffers(s))
+                for k, g, s in zip(b.keys(groups), groups, slots, strict=True)]
+        assert batch.transfer.pages == want and batch.transfer.zero_copy and batch.slots == slots
+        assert all(type(p) is Page and p.header is None for p in batch.transfer.pages)
+        assert all(buf.owner is pool for p in batch.transfer.pages for buf in p.buffers)
+    assert set(pool.slot_buffers().cache) == set(slots)
+
+
+@pytest.mark.parametrize("bad", [1, -PS, 6 * PS, 6 * PS + 1])
+def test_zero_copy_pages_refuse_a_slot_that_starts_no_page_before_making_any(bad: int) -> None:
+    spec = PoolSpec(kind="kv", layers=2, page_size=PS, dtype="bfloat16", **ZERO_COPY_SPECS["mha page_first"])
+    pool = HostPool(spec, 6)
+    b = PoolBinding(plan_binding(spec, ALL_CAPS, ParallelConfig(), model="m", target_model="m"), pool)
+    for checked in (True, False):  # the compiled builder checks again what the caller says it checked
+        with pytest.raises(ValueError, match=f"host slot {bad} is not the first slot of a page"):
+            b.slot_batch(["a", "b"], [0, bad], fill=False, checked=checked)
+    assert pool.slot_buffers().cache == {}
+
+
+@pytest.mark.parametrize("form", ["int64", "int32", "2-D", "strided", "list"])
+def test_page_slots_are_each_pages_first_slot_checked_in_the_same_pass(form: str) -> None:
+    spec = PoolSpec(kind="kv", layers=2, page_size=PS, dtype="bfloat16", **ZERO_COPY_SPECS["mha page_first"])
+    b = PoolBinding(plan_binding(spec, ALL_CAPS, ParallelConfig(), model="m", target_model="m"), HostPool(spec, 6))
+
+    def indices(first: list[int]) -> Any:
+        flat = [s + t for s in first for t in range(PS)]
+        if form == "list":
+            return flat
+        t = torch.tensor(flat, dtype=torch.int32 if form == "int32" else torch.int64)
+        if form == "2-D":
+            return t.view(-1, PS)
+        if form == "strided":
+            return torch.stack([t, torch.zeros_like(t)], 1)[:, 0]
+        return t
+
+    assert b.page_slots(indices([20, 0, 8])) == [20, 0, 8]
+    assert b.page_slots(indices([])) == []
+    for bad in (2, 24, -4):
+        with pytest.raises(ValueError, match=f"host slot {bad} is not the first slot of a page"):
+            b.page_slots(indices([0, bad, 4]))

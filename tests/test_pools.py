@@ -169,3 +169,9 @@ def test_strided_ints_refuses_bad_arguments():
     for args in ((t.data_ptr(), 8, 0, 8), (t.data_ptr(), 8, 1, 2), (t.data_ptr(), -1, 1, 8), (0, 4, 1, 8)):
         with pytest.raises(ValueError, match="strided_ints: bad arguments"):
             _native.strided_ints(*args)
+    # with a limit: None unless every value starts a page (a multiple of step in [0, limit))
+    assert _native.strided_ints(t.data_ptr(), 8, 2, 8, 8) == [0, 2, 4, 6]
+    assert _native.strided_ints(t.data_ptr(), 8, 2, 8, 6) is None
+    odd, negative = t + 1, t - 2  # held: the call reads their memory
+    assert _native.strided_ints(odd.data_ptr(), 8, 2, 8, 100) is None
+    assert _native.strided_ints(negative.data_ptr(), 8, 2, 8, 100) is None

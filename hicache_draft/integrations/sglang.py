@@ -70,7 +70,7 @@ from hicache_draft.integrations.sglang_pools import (
     legacy_draft_spec,
     plan_pool,
 )
-from hicache_draft.pools import HostPool, PoolSpec, first_slots
+from hicache_draft.pools import HostPool, PoolSpec
 from hicache_draft.store import Store
 
 _sg = load_storage_module()
@@ -455,9 +455,8 @@ class HiCacheDraftStorage(HiCacheStorage):
             self._warn_once(f"indices:{binding.name}", "hicache-draft: %s: %d host indices for %d pages of %d tokens",
                             binding.name, count, len(keys), ps)
             return None
-        slots = first_slots(host_indices, ps)  # only each page's first slot is used
         try:
-            binding.check_slots(slots)
+            slots = binding.page_slots(host_indices)  # only each page's first slot is used, checked
         except ValueError as exc:
             self._warn_once(f"slot:{binding.name}", "hicache-draft: %s: %s", binding.name, exc)
             return None

@@ -38,7 +38,7 @@ import functools
 import re
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from types import ModuleType
@@ -544,11 +544,8 @@ class SlotBuffers:
                      for part in self.template)
 
     def check(self, slots: Sequence[int]) -> None:
-        """ValueError (from :meth:`HostPool.page_index`) for the first slot that does not start a page."""
-        ps, n = self.page_size, self.slots
-        bad = next((s for s in slots if s % ps or not 0 <= s < n), None)
-        if bad is not None:
-            self.pool.page_index(bad)
+        """ValueError (:func:`check_page_starts`) for the first slot that does not start a page."""
+        check_page_starts(slots, self.page_size, self.slots)
 
     def _fill(self, slot: int) -> tuple[tuple[Buffer, ...], ...]:
         parts = self._exact(slot) if self.template is None else self._shifted(self.pool.page_index(slot))
@@ -569,6 +566,14 @@ def not_a_page_start(slot: int, page_size: int, slots: int) -> ValueError:
     return ValueError(f"host slot {slot} is not the first slot of a page (page_size {page_size}, {slots} slots)")
 
 
+def check_page_starts(slots: Iterable[int], page_size: int, limit: int) -> None:
+    """ValueError naming the first of ``slots`` that does not start a page of a pool of ``limit``
+    slots (a multiple of ``page_size`` in ``[0, limit)``)."""
+    bad = next((s for s in slots if s % page_size or not 0 <= s < limit), None)
+    if bad is not None:
+        raise not_a_page_start(bad, page_size, limit)
+
+
 def first_slots(indices: object, page_size: int, limit: int | None = None) -> list[int]:
     """Each page's first host slot, ``indices[i * page_size]``, from per-token host slots (a tensor
     of any shape, read in order, or a sequence). A contiguous CPU tensor of 32- or 64-bit integers
@@ -587,7 +592,5 @@ def first_slots(indices: object, page_size: int, limit: int | None = None) -> li
     else:
         slots = [int(s) for s in list(indices)[::page_size]]  # type: ignore[call-overload]
     if limit is not None:
-        bad = next((s for s in slots if s % page_size or not 0 <= s < limit), None)
-        if bad is not None:
-            raise not_a_page_start(bad, page_size, limit)
+        check_page_starts(slots, page_size, limit)
     return slots

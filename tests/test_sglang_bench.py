@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from hicache_draft.integrations.sglang_bench import GOAL, MEMORY, OPS, PATHS, SHAPES, Row
 
 
-def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+def _bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-c", "from hicache_draft.cli import main; main()", "bench", "sglang", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return proc
 
@@ -95,3 +97,32 @@ def test_a_row_ratio_is_the_median_of_its_paired_rounds_and_the_goal_is_checked_
     query = Row("v1", "64 KiB", "exists", "memory", adapter=[1.2, 1.2], store=[1.0, 1.0], keyed=[1.1, 1.1])
     assert query.floor == 1.1 and math.isclose(query.over_floor, 1.2 / 1.1) and query.meets_goal
     assert query.as_dict()["keyed_s"] == 1.1 and "copy_s" not in query.as_dict()
+
+
+def test_bench_sglang_runs_where_an_installed_triton_is_never_imported(tmp_path):
+    """A GPU host's Python has a real Triton (the benchmark runs SGLang's CPU pools there, CUDA
+    hidden): the bootstrap hides it while torch decides whether it has Triton, then serves the
+    shim, so torch never uses one and SGLang's modules get the shim. Here an installed ``triton``
+    that must never be imported stands for it."""
+    site = tmp_path / "site"
+    (site / "triton").mkdir(parents=True)
+    (site / "triton" / "__init__.py").write_text("raise RuntimeError('the installed triton was imported')\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    bootstrap = Path(__file__).resolve().parent / "sglang_real"
+    probe = (
+        f"import sys; sys.path.insert(0, {str(bootstrap)!r}); import bootstrap\n"
+        "from hicache_draft.integrations.sglang_loader import sglang_version\n"
+        "bootstrap.install(sglang_version())\n"
+        "import importlib, triton\n"
+        "from torch.utils._triton import has_triton\n"
+        "importlib.import_module('sglang.srt.mem_cache.memory_pool')\n"
+        "print(triton.__file__, has_triton())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    where, decided = proc.stdout.split()[-2:]
+    assert Path(where).is_relative_to(bootstrap / "shims") and decided == "False", proc.stdout
+    proc = _bench("--pages", "2", "--rounds", "1", "--root", str(tmp_path), "--backend", MEMORY, "--page", "64k",
+                  "--path", "v1", "--json", env=env)
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert report["checks"] and all(report["checks"].values()), report["checks"]

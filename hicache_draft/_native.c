@@ -1542,6 +1542,19 @@ fail:
     return NULL;
 }
 
+/* out[i] = a new page_type instance with its fields (key, group, namespace, buffers, header) set
+   to the values given and None, without running the type's __init__; -1 with an exception set. */
+static int page_into(PyObject *out, Py_ssize_t i, PyObject *page_type, const field_ref *pf, PyObject *key,
+                     PyObject *group, PyObject *ns, PyObject *bufs) {
+    PyObject *page = new_of(page_type);
+    if (page == NULL) return -1;
+    PyList_SetItem(out, i, page); /* steals: owned by the list from here */
+    PyObject *vals[5] = {key, group, ns, bufs, Py_None};
+    for (int f = 0; f < 5; f++)
+        if (pf[f].set(pf[f].desc, page, vals[f]) < 0) return -1;
+    return 0;
+}
+
 /* make_pages(keys, groups, namespaces, buffers, page_type, page_fields) -> list: a new page_type
    instance per page, its fields (key, group, namespace, buffers, header) set to keys[i],
    groups[i], namespaces (one str for every page, or namespaces[i]), buffers[i] and None, without
@@ -1572,15 +1585,10 @@ static PyObject *make_pages(PyObject *self, PyObject *args) {
     }
     out = PyList_New(n);
     if (out == NULL) goto fail;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *page = new_of(page_type);
-        if (page == NULL) goto fail;
-        PyList_SetItem(out, i, page); /* steals: owned by the list from here */
-        PyObject *vals[5] = {PyTuple_GetItem(keys, i), PyTuple_GetItem(groups, i),
-                             one_ns ? nss : PyTuple_GetItem(nss, i), PyTuple_GetItem(bufs, i), Py_None};
-        for (int f = 0; f < 5; f++)
-            if (pf[f].set(pf[f].desc, page, vals[f]) < 0) goto fail;
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (page_into(out, i, page_type, pf, PyTuple_GetItem(keys, i), PyTuple_GetItem(groups, i),
+                      one_ns ? nss : PyTuple_GetItem(nss, i), PyTuple_GetItem(bufs, i)) < 0)
+            goto fail;
     Py_DECREF(keys);
     Py_DECREF(groups);
     Py_DECREF(nss);
@@ -1696,9 +1704,6 @@ static PyObject *slot_pages(PyObject *self, PyObject *args) {
     out = PyList_New(n);
     if (out == NULL) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *pg = new_of(page_type);
-        if (pg == NULL) goto fail;
-        PyList_SetItem(out, i, pg); /* steals: owned by the list from here */
         PyObject *slot = PyTuple_GetItem(slots, i), *bufs = NULL;
         PyObject *parts = PyDict_GetItemWithError(cache, slot); /* borrowed */
         if (parts != NULL && PyTuple_Check(parts) && PyTuple_Size(parts) == 1) {
@@ -1718,9 +1723,7 @@ static PyObject *slot_pages(PyObject *self, PyObject *args) {
                 }
             }
         }
-        PyObject *vals[5] = {PyTuple_GetItem(keys, i), PyTuple_GetItem(groups, i), ns, bufs, Py_None};
-        int rc = 0;
-        for (int f = 0; f < 5 && rc == 0; f++) rc = pf[f].set(pf[f].desc, pg, vals[f]);
+        int rc = page_into(out, i, page_type, pf, PyTuple_GetItem(keys, i), PyTuple_GetItem(groups, i), ns, bufs);
         Py_DECREF(bufs);
         if (rc < 0) goto fail;
     }

@@ -36,7 +36,7 @@ from hicache_draft.capabilities import Attention, Capabilities, HitPolicy, IOPat
 from hicache_draft.config import ParallelConfig
 from hicache_draft.errors import BackendSetupError
 from hicache_draft.keys import make_key, pool_identities
-from hicache_draft.pools import HostPool, PoolSpec, first_slots, import_torch
+from hicache_draft.pools import HostPool, PoolSpec, check_page_starts, first_slots, import_torch
 from hicache_draft.transfer import (
     _BUFFER_FIELDS,
     _PAGE_FIELDS,
@@ -388,7 +388,7 @@ class PoolBinding:
                                        _BUFFER_FIELDS)
             if pages is not None:
                 return pages  # type: ignore[return-value]
-            view.check(slots)  # raises, naming the slot
+            self.check_slots(slots)  # raises, naming the slot
         return self._page(keys, groups, view.buffers(slots))
 
     def _rows(self, n: int) -> tuple[list[torch.Tensor], list[tuple[Buffer, ...]]]:
@@ -411,13 +411,10 @@ class PoolBinding:
         return first_slots(indices, self.spec.page_size, self.host.slots)
 
     def check_slots(self, slots: Sequence[int]) -> None:
-        """ValueError (from :meth:`HostPool.page_index`) unless every slot starts a page of the host pool."""
+        """ValueError (:func:`~hicache_draft.pools.check_page_starts`) unless every slot starts a
+        page of the host pool."""
         assert self.host is not None, f"pool {self.name!r} has no host memory"
-        if self.zero_copy:
-            self.host.slot_buffers(self.split).check(slots)
-        else:
-            for s in slots:
-                self.host.page_index(s)
+        check_page_starts(slots, self.spec.page_size, self.host.slots)
 
     @property
     def chunk_pages(self) -> int | None:

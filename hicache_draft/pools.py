@@ -543,10 +543,6 @@ class SlotBuffers:
         return tuple(tuple([Buffer(at + page * stride, n, owner) for at, n, stride in part])
                      for part in self.template)
 
-    def check(self, slots: Sequence[int]) -> None:
-        """ValueError (:func:`check_page_starts`) for the first slot that does not start a page."""
-        check_page_starts(slots, self.page_size, self.slots)
-
     def _fill(self, slot: int) -> tuple[tuple[Buffer, ...], ...]:
         parts = self._exact(slot) if self.template is None else self._shifted(self.pool.page_index(slot))
         if len(self.cache) < self.limit:
@@ -554,7 +550,7 @@ class SlotBuffers:
         return parts
 
     def buffers(self, slots: Sequence[int]) -> list[tuple[Buffer, ...]]:
-        """Each page's (head part's) buffers, page-major, for slots that passed :meth:`check`."""
+        """Each page's (head part's) buffers, page-major, for slots that passed :func:`check_page_starts`."""
         get, fill = self.cache.get, self._fill
         if self.split == 1:
             return [(get(s) or fill(s))[0] for s in slots]

@@ -18,7 +18,7 @@ from hicache_draft.config import ParallelConfig
 from hicache_draft.errors import ConfigError
 from hicache_draft.integrations.sglang_config import Placement
 from hicache_draft.integrations.sglang_pools import host_pool_arrays, host_pool_spec, plan_pool
-from hicache_draft.pools import HostPool, SlotBuffers
+from hicache_draft.pools import HostPool, SlotBuffers, check_page_starts
 
 ALL = Capabilities(pools={k: PoolCapability(attention=frozenset(Attention)) for k in PoolKind})
 
@@ -109,11 +109,11 @@ def test_slot_buffers_are_page_buffers_for_every_page(attention, layout, split):
 
 
 @pytest.mark.parametrize("slot", [1, -4, 10_000])
-def test_slot_buffers_check_names_a_slot_that_starts_no_page(slot):
-    sb = SlotBuffers(ours(make_pool("mha", "page_first")), 1)
+def test_page_start_check_names_a_slot_that_starts_no_page(slot):
+    view = ours(make_pool("mha", "page_first"))
     with pytest.raises(ValueError, match=f"host slot {slot} "):
-        sb.check([0, slot, 4])
-    sb.check([0, 4, 8])
+        check_page_starts([0, slot, 4], view.spec.page_size, view.slots)
+    check_page_starts([0, 4, 8], view.spec.page_size, view.slots)
 
 
 def test_default_staging_holds_sglang_batch_within_its_byte_bound():

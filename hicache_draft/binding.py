@@ -28,6 +28,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import repeat
+from operator import is_
 from typing import TYPE_CHECKING, NamedTuple
 
 from hicache_draft import _native
@@ -320,6 +322,7 @@ class PoolBinding:
     # -- what it is ---------------------------------------------------------------------------------
     @property
     def zero_copy(self) -> bool:
+        """Pages move straight from and into the host pool's memory (asked once a call and pool)."""
         return self.path is IOPath.ZERO_COPY and self.host is not None
 
     @property
@@ -365,7 +368,7 @@ class PoolBinding:
         return True
 
     # -- pages --------------------------------------------------------------------------------------
-    def _page(self, keys: list[str], groups: Sequence[str], bufs: Sequence[tuple[Buffer, ...]]) -> list[Page]:
+    def _page(self, keys: Sequence[str], groups: Sequence[str], bufs: Sequence[tuple[Buffer, ...]]) -> list[Page]:
         """The pages of a batch (compiled: a frozen dataclass's ``__init__`` cost about 1 us a page,
         128 us of a 128-page call through the SGLang adapter)."""
         split = self.split
@@ -375,7 +378,7 @@ class PoolBinding:
         return _native.make_pages(keys, gs, self.namespaces * len(groups), bufs, Page,  # type: ignore[return-value]
                                   _PAGE_FIELDS)
 
-    def _slot_pages(self, keys: list[str], groups: Sequence[str], slots: list[int]) -> list[Page]:
+    def _slot_pages(self, keys: Sequence[str], groups: Sequence[str], slots: Sequence[int]) -> list[Page]:
         """The zero-copy pages at host ``slots``: for one part a page (and buffers at a fixed stride
         from page to page) in one compiled call, which checks every slot again before it makes
         anything, so a slot that does not start a page of the pool never becomes an address;
@@ -403,12 +406,13 @@ class PoolBinding:
         rows = list(stage.unbind(0)) if n else []
         return rows, [(Buffer(r.data_ptr(), r.numel(), owner=stage),) for r in rows]
 
-    def page_slots(self, indices: object) -> list[int]:
+    def page_slots(self, indices: object, pages: int | None = None) -> list[int]:
         """Each page's first host slot from per-token host indices (a tensor of any shape or a
         sequence, as SGLang hands them), every one checked to start a page of the host pool
-        (ValueError naming the first that does not)."""
+        (ValueError naming the first that does not). ``pages``: the indices must be exactly that
+        many pages' (ValueError otherwise)."""
         assert self.host is not None, f"pool {self.name!r} has no host memory"
-        return first_slots(indices, self.spec.page_size, self.host.slots)
+        return first_slots(indices, self.spec.page_size, self.host.slots, pages)
 
     def check_slots(self, slots: Sequence[int]) -> None:
         """ValueError (:func:`~hicache_draft.pools.check_page_starts`) unless every slot starts a
@@ -428,16 +432,24 @@ class PoolBinding:
         the caller already passed ``slots`` through :meth:`check_slots`."""
         assert self.host is not None, f"pool {self.name!r} has no host memory"
         slots = list(slots)
-        keys = list(keys) if keys is not None else self.keys(groups)
         if not checked:
             self.check_slots(slots)
         if self.zero_copy:
-            return Batch(self, PageTransfer(self.name, self._slot_pages(keys, groups, slots), True), slots=slots)
+            return Batch(self, self.zero_copy_transfer(groups, slots, keys), slots=slots)
+        keys = list(keys) if keys is not None else self.keys(groups)
         rows, bufs = self._rows(len(slots) * self.split)
         if fill:
             for n, row in enumerate(rows):
                 self.host.copy_page_out(slots[n // self.split], row, n % self.split, self.split)
         return Batch(self, PageTransfer(self.name, self._page(keys, groups, bufs), False), staged=rows, slots=slots)
+
+    def zero_copy_transfer(self, groups: Sequence[str], slots: Sequence[int],
+                           keys: Sequence[str] | None = None) -> PageTransfer:
+        """The zero-copy pages for ``groups`` at host ``slots`` (each checked again before it
+        becomes an address: a bad one raises ValueError and builds nothing) as one transfer: what a
+        zero-copy :meth:`slot_batch` sends, without the batch (the SGLang adapter's v1 and v2 calls)."""
+        return PageTransfer(self.name, self._slot_pages(keys if keys is not None else self.keys(groups), groups,
+                                                        slots), True)
 
     def flat_batch(self, groups: Sequence[str], flats: Sequence[torch.Tensor], *, fill: bool,
                    keys: Sequence[str] | None = None) -> Batch:
@@ -481,7 +493,7 @@ class PoolBinding:
         ok = PageResult.OK
         n = len(results) // self.split
         if self.split == 1:
-            return [r is ok for r in results]
+            return list(map(is_, results, repeat(ok)))  # one compiled pass (a 128-page listcomp: 5 us cold)
         return [all(r is ok for r in results[i * self.split : (i + 1) * self.split]) for i in range(n)]
 
     def prefix(self, results: Sequence[PageResult]) -> int:

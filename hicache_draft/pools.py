@@ -570,23 +570,36 @@ def check_page_starts(slots: Iterable[int], page_size: int, limit: int) -> None:
         raise not_a_page_start(bad, page_size, limit)
 
 
-def first_slots(indices: object, page_size: int, limit: int | None = None) -> list[int]:
+_INT_SIZES: dict[object, int] = {}
+"""torch's int64 and int32 dtypes -> their sizes (filled once torch is imported)."""
+
+
+def first_slots(indices: object, page_size: int, limit: int | None = None, pages: int | None = None) -> list[int]:
     """Each page's first host slot, ``indices[i * page_size]``, from per-token host slots (a tensor
     of any shape, read in order, or a sequence). A contiguous CPU tensor of 32- or 64-bit integers
     (what SGLang hands) is read from its memory in one compiled pass: slicing it and converting the
     slice cost 40 us for 128 pages when the interpreter's caches are cold, as they are after a
     storage call. With ``limit`` (the pool's slots), every slot is checked to start a page, in the
-    same pass (ValueError naming the first that does not, as :meth:`HostPool.page_index` does)."""
+    same pass (ValueError naming the first that does not, as :meth:`HostPool.page_index` does).
+    With ``pages``, there must be exactly ``pages * page_size`` indices (ValueError otherwise)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(indices, torch.Tensor):
-        if indices.is_cpu and indices.dtype in (torch.int64, torch.int32) and indices.is_contiguous():
-            got = _native.strided_ints(indices.data_ptr(), indices.numel(), page_size, indices.element_size(),
-                                       -1 if limit is None else limit)
+        count = indices.numel()
+        if pages is not None and count != pages * page_size:
+            raise ValueError(f"{count} host indices for {pages} pages of {page_size} tokens")
+        if not _INT_SIZES:
+            _INT_SIZES.update({torch.int64: 8, torch.int32: 4})
+        size = _INT_SIZES.get(indices.dtype)
+        if size is not None and indices.is_cpu and indices.is_contiguous():
+            got = _native.strided_ints(indices.data_ptr(), count, page_size, size, -1 if limit is None else limit)
             if got is not None:
                 return got
         slots = indices.reshape(-1)[::page_size].tolist()
     else:
-        slots = [int(s) for s in list(indices)[::page_size]]  # type: ignore[call-overload]
+        values = list(indices)  # type: ignore[call-overload]
+        if pages is not None and len(values) != pages * page_size:
+            raise ValueError(f"{len(values)} host indices for {pages} pages of {page_size} tokens")
+        slots = [int(s) for s in values[::page_size]]
     if limit is not None:
         check_page_starts(slots, page_size, limit)
     return slots

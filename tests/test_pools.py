@@ -158,6 +158,11 @@ def test_first_slots_is_every_page_size_th_index(pages, ps, dtype, shape, data):
         got = first_slots(values, ps)
     assert got == want
     assert all(type(s) is int for s in got)
+    handed = values if shape == "list" else flat
+    assert first_slots(handed, ps, pages=pages) == want  # the count the caller expects
+    for wrong in (pages + 1, pages - 1) if pages else (1,):
+        with pytest.raises(ValueError, match=f"^{len(values)} host indices for {wrong} pages of {ps} tokens$"):
+            first_slots(handed, ps, pages=wrong)
 
 
 def test_strided_ints_refuses_bad_arguments():

@@ -45,6 +45,7 @@ import operator
 import re
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -72,6 +73,7 @@ from hicache_draft.integrations.sglang_pools import (
 )
 from hicache_draft.pools import HostPool, PoolSpec
 from hicache_draft.store import Store
+from hicache_draft.workers import DONE
 
 _sg = load_storage_module()
 HiCacheStorage = _sg.HiCacheStorage
@@ -374,10 +376,17 @@ class HiCacheDraftStorage(HiCacheStorage):
     def _run(self, op: str, jobs: Sequence[_Job]) -> list[list[bool]]:
         """Move pages in lockstep chunks (all pools of a chunk in one backend call); per-page results."""
         out = [[False] * len(j.groups) for j in jobs]
-        if not jobs or not any(j.groups for j in jobs):
+        total = max((len(j.groups) for j in jobs), default=0)
+        if not total:
             return out
-        stagings = {id(s): s for s in (j.staging for j in jobs) if s is not None}
-        total = max(len(j.groups) for j in jobs)
+        stagings = {id(s): s for j in jobs if (s := j.staging) is not None}
+        if not stagings:  # zero-copy pages only (v1, v2): one backend call, no staging to hold
+            try:
+                self._run_zero_copy(op, jobs, out)
+            except Exception as exc:  # never raise into SGLang's I/O threads
+                self._warn_once(f"run:{op}:{type(exc).__name__}", "hicache-draft: page %s failed: %s: %s",
+                                op, type(exc).__name__, exc)
+            return out
         chunk = min((s.pages for s in stagings.values()), default=total)
         for start in range(0, total, chunk):
             with ExitStack() as stack:
@@ -395,6 +404,34 @@ class HiCacheDraftStorage(HiCacheStorage):
                         self._warn_once(f"run:{op}:{type(exc).__name__}", "hicache-draft: page %s failed: %s: %s",
                                         op, type(exc).__name__, exc)
         return out
+
+    def _run_zero_copy(self, op: str, jobs: Sequence[_Job], out: list[list[bool]]) -> None:
+        """Every job's pages straight from or into SGLang's host slots, in one backend call (what
+        :meth:`_run_chunk` does for one chunk, in the fewest steps: on a fast backend each step of the
+        adapter's own counts, and the interpreter's caches are cold after every storage call)."""
+        moved = [(ji, j.binding, j.binding.zero_copy_transfer(j.groups, j.slots, j.keys))  # type: ignore[arg-type]
+                 for ji, j in enumerate(jobs) if j.groups]
+        results, io_done = (self.store.page_set_tracked if op == "set" else self.store.page_get)(
+            [t for *_, t in moved])
+        for ji, b, t in moved:
+            got = results.get(b.name, ())
+            if len(got) == len(t.pages):  # the Store answers every page; anything else is a failure
+                out[ji] = b.page_oks(got)
+        if io_done is not DONE and not io_done.done():
+            self._hold_slots(op, io_done)
+
+    def _hold_slots(self, op: str, io_done: Future[Any]) -> None:
+        """After a zero-copy call that timed out: SGLang reuses its host slots as soon as it sees the
+        failure, so give the abandoned call up to timeout_s more to let go of them (this blocks only
+        SGLang's I/O thread, bounded), and say so when it did not."""
+        with suppress(BaseException):
+            io_done.result(timeout=self.store.timeout_s)
+        if not io_done.done():
+            self._warn_once(
+                "slots:held", "hicache-draft: backend %r ignored its deadline by more than timeout_s and may "
+                "still %s SGLang's host slots; a late read is never stored as data, but fix the backend",
+                self.store.name, "write into" if op == "get" else "read",
+            )
 
     def _run_chunk(self, op: str, jobs: Sequence[_Job], lo: int, hi: int, out: list[list[bool]]) -> None:
         batches: list[tuple[int, int, int, Batch]] = []
@@ -423,19 +460,15 @@ class HiCacheDraftStorage(HiCacheStorage):
             got = results.get(b.name, [])
             if len(got) != (end - start) * b.split:
                 continue  # the Store answers every page; anything else is a failure (already False)
-            out[ji][start:end] = b.finish_get(batch, got) if op == "get" else b.page_oks(got)
-        zero_copy = [batch for *_, batch in batches if batch.zero_copy_slots]
-        if not io_done.done() and zero_copy:
-            # SGLang reuses these host slots as soon as it sees the failure: give the abandoned call up
-            # to timeout_s more to let go of them (this blocks only SGLang's I/O thread, bounded)
-            with suppress(BaseException):
-                io_done.result(timeout=self.store.timeout_s)
-            if not io_done.done():
-                self._warn_once(
-                    "slots:held", "hicache-draft: backend %r ignored its deadline by more than timeout_s and may "
-                    "still %s SGLang's host slots; a late read is never stored as data, but fix the backend",
-                    self.store.name, "write into" if op == "get" else "read",
-                )
+            oks = b.finish_get(batch, got) if op == "get" and batch.staged else b.page_oks(got)
+            if start == 0 and end == len(out[ji]):
+                out[ji] = oks
+            else:
+                out[ji][start:end] = oks
+        if io_done is DONE or io_done.done():
+            return
+        if any(batch.zero_copy_slots for *_, batch in batches):
+            self._hold_slots(op, io_done)
         if not io_done.done():  # this call timed out: the backend may still use its staging memory
             for *_, batch in batches:
                 st = batch.binding.staging
@@ -444,24 +477,30 @@ class HiCacheDraftStorage(HiCacheStorage):
                                     "memory is left to it and replaced by unregistered memory")
                     st.replace()
 
-    def _slot_job(self, binding: PoolBinding | None, keys: Sequence[str], host_indices: Any) -> _Job | None:
-        """A job over host slots (page ``i`` starts at ``host_indices[i * page_size]``); None if unusable."""
+    def _slot_job(self, binding: PoolBinding | None, keys: Sequence[str], host_indices: Any,
+                  shared: dict[Any, Any] | None = None) -> _Job | None:
+        """A job over host slots (page ``i`` starts at ``host_indices[i * page_size]``); None if unusable.
+        ``shared``: what the pools of one call share, when SGLang hands them the same objects (a
+        draft pool's transfer carries the target's key list and host indices): the slots read once
+        per indices object, page size and slot count, the hashes' groups once per key list."""
         if binding is None or binding.host is None or host_indices is None:
             return None
-        ps = binding.spec.page_size
-        tensor = isinstance(host_indices, torch.Tensor)
-        count = host_indices.numel() if tensor else len(host_indices)
-        if count != len(keys) * ps:
-            self._warn_once(f"indices:{binding.name}", "hicache-draft: %s: %d host indices for %d pages of %d tokens",
-                            binding.name, count, len(keys), ps)
-            return None
-        try:
-            slots = binding.page_slots(host_indices)  # only each page's first slot is used, checked
-        except ValueError as exc:
-            self._warn_once(f"slot:{binding.name}", "hicache-draft: %s: %s", binding.name, exc)
-            return None
-        hashes = _Hashes(keys)
-        return _Job(binding=binding, groups=hashes.groups, slots=slots, keys=self._hash_keys(binding, hashes, True))
+        memo = (id(host_indices), binding.spec.page_size, binding.host.slots, len(keys))
+        slots = shared.get(memo) if shared is not None else None
+        if slots is None:
+            try:  # only each page's first slot is used, checked; the count must be the keys' pages'
+                slots = binding.page_slots(host_indices, len(keys))
+            except ValueError as exc:
+                self._warn_once(f"slot:{binding.name}", "hicache-draft: %s: %s", binding.name, exc)
+                return None
+            if shared is not None:
+                shared[memo] = slots
+        hashes = shared.get(id(keys)) if shared is not None else None
+        if hashes is None:
+            hashes = _Hashes(keys)
+            if shared is not None:
+                shared[id(keys)] = hashes  # it holds keys: the id stays this list's for the call
+        return _Job(binding, hashes.groups, slots, keys=self._hash_keys(binding, hashes, True))
 
     def _hash_keys(self, binding: PoolBinding, hashes: Sequence[str], remember: bool = False) -> Sequence[str]:
         """``binding.keys(page_groups(hashes))`` (``hashes``: a :class:`_Hashes`, or SGLang hashes),
@@ -518,14 +557,15 @@ class HiCacheDraftStorage(HiCacheStorage):
         out: dict[Any, list[bool]] = {}
         jobs: list[_Job] = []
         names: list[Any] = []
+        shared: dict[Any, Any] = {}
         for t in transfers:
-            keys = list(t.keys or [])
+            keys = t.keys or []
             out[t.name] = [False] * len(keys)
             binding = self._binding(t.name)
             if binding is None:
                 self._warn_once(f"v2:{t.name}", "hicache-draft: pool %r is not held; its %s pages fail", str(t.name),
                                 op)
-            job = self._slot_job(binding, keys, t.host_indices)
+            job = self._slot_job(binding, keys, t.host_indices, shared)
             if job is not None:
                 jobs.append(job)
                 names.append(t.name)

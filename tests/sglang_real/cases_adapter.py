@@ -295,6 +295,38 @@ def test_v2_sends_target_and_draft_in_one_backend_call():
     assert MemoryBackend.calls == [("page_set", {PoolKind.KV: 3, PoolKind.DRAFT: 3})]
 
 
+def test_v2_pools_handed_the_same_indices_and_keys_check_them_against_their_own_pool(caplog):
+    """A draft transfer that carries the target's own key list and host indices (one object for
+    both pools, as SGLang builds them) moves the same bytes as one with copies of them, and each
+    pool checks the slots against its own size: a slot the target has and a smaller draft pool
+    does not fails the draft's pages, named, and leaves the target's."""
+    kv, draft = mha(seed=1), mha(layers=1, seed=2)
+    keys, idx = hashes(3, salt=41), indices([0, 4, 8])
+    adapter = attach(build(extra_config("memory", {})), kv, draft)
+    got = adapter.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=idx, keys=keys),
+                                PoolTransfer(name=PoolName.DRAFT, host_indices=idx, keys=keys)])
+    assert got == {PoolName.KV: [True] * 3, PoolName.DRAFT: [True] * 3}
+    kv2, draft2 = mha(), mha(layers=1)
+    reader = attach(build(extra_config("memory", {})), kv2, draft2)
+    idx2 = indices([12, 16, 20])
+    got = reader.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=idx2, keys=keys),
+                               PoolTransfer(name=PoolName.DRAFT, host_indices=idx2, keys=keys)])
+    assert got == {PoolName.KV: [True] * 3, PoolName.DRAFT: [True] * 3}
+    for pool, pool2 in ((kv, kv2), (draft, draft2)):
+        assert [hr.page_bytes(pool2, d) for d in (12, 16, 20)] == [hr.page_bytes(pool, s) for s in (0, 4, 8)]
+
+    small = hr.host_pool(hr.device_pool(hr.Shape("mha", 1, heads=2, head_dim=8), 2 * PS, PS), "page_first")
+    small_slots = small.size  # the draft pool's slots: the target has more
+    assert small_slots < kv.size
+    adapter = attach(build(extra_config("memory", {})), mha(seed=5), small)
+    past = indices([0, 4, small_slots])  # the last page is the target's, and past the draft pool's end
+    with caplog.at_level(logging.WARNING, logger="hicache_draft.sglang"):
+        got = adapter.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=past, keys=keys),
+                                    PoolTransfer(name=PoolName.DRAFT, host_indices=past, keys=keys)])
+    assert got == {PoolName.KV: [True] * 3, PoolName.DRAFT: [False] * 3}
+    assert f"host slot {small_slots} is not the first slot of a page" in caplog.text
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.one_of(st.text(max_size=6), st.text(alphabet="0123456789abcdefABCDEF.", max_size=66)),
                 min_size=0, max_size=6))

@@ -16,7 +16,9 @@ get; the backend stores one object per page, header included, and checks existen
 * ``shm`` mode: host pools from the backend's ``host_memory`` hook (the shared pool), ``direct``.
 * ``bare hooks``: the backend's own hooks for the variant ``auto`` picks, headers made outside the
   timing, no verification: the Store row minus this row is what the core's header and
-  verification cost.
+  verification cost. They run right after the Store's calls in even rounds and right before them
+  in odd ones (after, they would always find the source pages in the CPU cache: the Store run's
+  read-back and their own header making read them just before).
 
 Native rows (no checksum, copy or Python work) measure each layout choice separately: K/V objects
 without the existence call, one slot per page (the staged layout), header slot + buffers (the
@@ -225,7 +227,7 @@ class _Baseline:
         slots = [i * self.src.spec.page_size for i in range(self.src.num_pages)]
         (self.src_ptrs, self.sizes), (self.dst_ptrs, _) = (p.page_buffer_meta(slots) for p in pools)
 
-    def round(self, groups: list[str], out: Times) -> list[str]:
+    def round(self, groups: list[str], out: Times, turn: int = 0) -> list[str]:  # turn: the round (unused)
         c, tag = self.client, secrets.token_hex(4)
         keys = [f"{tag}-{g}-{part}" for g in groups for part in range(2)]
         t0 = time.perf_counter()
@@ -290,8 +292,12 @@ class _Plugin:
         assert self.dst.raw is not None
         self.dst.raw.fill_(0)
 
-    def round(self, groups: list[str], out: Times) -> list[str]:
-        """One timed run; the Mooncake keys it stored (for removal)."""
+    def round(self, groups: list[str], out: Times, turn: int = 0) -> list[str]:
+        """One timed run (round ``turn``); the Mooncake keys it stored (for removal). With ``bare``, the
+        backend's own hooks run after the Store's calls in even rounds and before them in odd ones:
+        run after, they find the source pages in the CPU cache (the Store run's read-back and their
+        own header making read them just before), which the Store's set did not."""
+        keys = self._bare_round(groups, out) if self.bare and turn % 2 else []
         w, r = self.pages(self.src, groups), self.pages(self.dst, groups)
         t, res = _timed(lambda: self.store.page_set([PageTransfer(PoolKind.KV, w, True)]))
         self._ok(res, PoolKind.KV)
@@ -309,8 +315,8 @@ class _Plugin:
         self.checks.expect("existence found every page", n == {PoolKind.KV: len(w), PoolKind.DRAFT: len(d)},
                            self.name)
         out["exist"].append(t / (len(w) + len(d)))
-        keys = [self.backend.key(p) for p in (*w, *d)]
-        if self.bare:
+        keys += [self.backend.key(p) for p in (*w, *d)]
+        if self.bare and not turn % 2:
             keys += self._bare_round(groups, out)
         return keys
 
@@ -385,7 +391,7 @@ class _Native:
 
         return put, get
 
-    def round(self, groups: list[str], out: Times) -> list[str]:
+    def round(self, groups: list[str], out: Times, turn: int = 0) -> list[str]:  # turn: the round (unused)
         tag = secrets.token_hex(4)
         keys = [f"{tag}-{g}-{part}" for g in groups for part in range(NATIVE[self.name])]
         t, rc = _timed(lambda: self.put(keys))
@@ -519,7 +525,7 @@ def run_case(
                 r, pair = res[v.name], []
                 for step in ("before", "variant", "after"):  # B v B on the variant's reference
                     if step == "variant":
-                        base.client.batch_remove(v.round(groups, r.times), True)
+                        base.client.batch_remove(v.round(groups, r.times, n), True)
                         continue
                     out: Times = {m: [] for m in r.times}
                     base.client.batch_remove(ref[v.name].round(groups, out), True)

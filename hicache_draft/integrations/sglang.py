@@ -211,11 +211,12 @@ class _Hashes:
     """One call's SGLang page hashes, with their page groups (:func:`page_groups`) made at most
     once, when a pool first needs them, and the storage keys found for them so far, per pool."""
 
-    __slots__ = ("_groups", "found", "hashes")
+    __slots__ = ("_groups", "_own", "found", "hashes")
 
-    def __init__(self, hashes: Sequence[str], groups: Sequence[str] | None = None) -> None:
+    def __init__(self, hashes: Sequence[str], groups: Sequence[str] | None = None, own: bool | None = None) -> None:
         self.hashes = hashes
         self._groups = groups
+        self._own = own  # every hash is lowercase hex, its own page group (None: not known yet)
         self.found: dict[str, Sequence[str] | None] = {}  # per pool: its remembered keys, or None
 
     def __len__(self) -> int:
@@ -227,8 +228,16 @@ class _Hashes:
     @property
     def groups(self) -> Sequence[str]:
         if self._groups is None:
-            self._groups = page_groups(self.hashes)
+            self._own = bool(_native.lower_hex(self.hashes))
+            self._groups = list(self.hashes) if self._own else page_groups(self.hashes)
         return self._groups
+
+    @property
+    def own(self) -> bool:
+        """Every hash is lowercase hex (SGLang's page hashes), so each is its own page group."""
+        if self._own is None:
+            self._own = bool(_native.lower_hex(self.hashes))
+        return self._own
 
 
 @dataclass
@@ -500,14 +509,19 @@ class HiCacheDraftStorage(HiCacheStorage):
             hashes = _Hashes(keys)
             if shared is not None:
                 shared[id(keys)] = hashes  # it holds keys: the id stays this list's for the call
+        known = self._recall(binding, hashes)
+        if known is not None:  # only lowercase hex hashes are remembered: each is its own page group
+            return _Job(binding, hashes.hashes, slots, keys=known)  # type: ignore[arg-type]
         return _Job(binding, hashes.groups, slots, keys=self._hash_keys(binding, hashes, True))
 
     def _hash_keys(self, binding: PoolBinding, hashes: Sequence[str], remember: bool = False) -> Sequence[str]:
         """``binding.keys(page_groups(hashes))`` (``hashes``: a :class:`_Hashes`, or SGLang hashes),
         remembered per SGLang hash for one-part pools (up to :data:`_KEY_CACHE` hashes) by the calls
-        that move pages (``remember``; hashes without a ``"."``, so a remembered hash is never one of
-        the generic ``{hash}.{pool}`` keys), so that the hit query for pages this server stored or
-        restored is one lookup of the whole batch. It is :func:`query_hit`'s ``keys_of``."""
+        that move pages (``remember``; batches of lowercase hex hashes only, SGLang's: each is its own
+        page group, so a remembered hash is never one of the generic ``{hash}.{pool}`` keys and a
+        call that finds every hash remembered needs no pass over the hashes for their groups), so
+        that the hit query for pages this server stored or restored is one lookup of the whole
+        batch. It is :func:`query_hit`'s ``keys_of``."""
         if not isinstance(hashes, _Hashes):
             hashes = _Hashes(hashes)
         if binding.split != 1:
@@ -516,7 +530,7 @@ class HiCacheDraftStorage(HiCacheStorage):
         if known is not None:
             return known
         keys = binding.keys(hashes.groups)
-        if remember and "." not in "".join(hashes.hashes):
+        if remember and hashes.own:
             cache = self.key_caches.setdefault(binding.name, {})
             if len(cache) + len(keys) > _KEY_CACHE:
                 cache.clear()
@@ -658,9 +672,10 @@ class HiCacheDraftStorage(HiCacheStorage):
         target = [(legacy, None)] if legacy else []
         hashes = _Hashes(keys)
         kv = self.bindings.get(_KV)
-        if kv is not None and self._recall(kv, hashes) is not None:  # hashes this server moved: no "." in any
+        if kv is not None and self._recall(kv, hashes) is not None:  # hashes this server moved: lowercase hex
+            hashes._groups, hashes._own = keys, True
             return self._hit(hashes, target)[0]
-        if _native.lower_hex(keys):  # SGLang's hit query: target page hashes, each its own group
+        if hashes.own:  # SGLang's hit query: target page hashes, each its own group
             hashes._groups = keys
             return self._hit(hashes, target)[0]
         try:

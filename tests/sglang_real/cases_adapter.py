@@ -356,6 +356,30 @@ def test_remembered_keys_never_answer_for_another_pool_or_a_suffixed_key(backend
     assert adapter.batch_exists(dotted) == 0  # "{hash}.draft" asks the draft pool, which has none of them
 
 
+def test_only_lowercase_hex_hashes_are_remembered_and_the_others_still_move_by_their_group():
+    """The key cache holds SGLang's own hashes (lowercase hex, each its own page group) only, so a
+    call that finds every hash remembered uses the hashes as the groups; other hashes (here the same
+    hashes in upper case, whose group is the lowercase hash) move and hit by their group, never from
+    the cache, and a reader with the lowercase hashes restores the very pages."""
+    kv = mha(seed=7)
+    writer = attach(build(extra_config("memory", {})), kv)
+    low = hashes(3, salt=51)
+    upper = [h.upper() for h in low]
+    assert writer.batch_set_v1(upper, indices([0, 4, 8])) == [True] * 3
+    assert writer.key_caches[PoolKind.KV] == {}
+    assert writer.batch_exists(upper) == 3 and writer.batch_exists(low) == 3
+    kv2 = mha()
+    reader = attach(build(extra_config("memory", {})), kv2)
+    for _ in range(2):  # the first get remembers the keys, the second moves the pages from them
+        assert reader.batch_get_v1(low, indices([12, 16, 20])) == [True] * 3
+        assert [hr.page_bytes(kv2, d) for d in (12, 16, 20)] == [hr.page_bytes(kv, s) for s in (0, 4, 8)]
+        assert set(reader.key_caches[PoolKind.KV]) == set(low)
+        kv2.kv_buffer.zero_()
+    assert reader.batch_get_v1(upper, indices([12, 16, 20])) == [True] * 3  # by group, not from the cache
+    assert [hr.page_bytes(kv2, d) for d in (12, 16, 20)] == [hr.page_bytes(kv, s) for s in (0, 4, 8)]
+    assert set(reader.key_caches[PoolKind.KV]) == set(low)
+
+
 @pytest.mark.parametrize("interface_v1", [True, False], ids=["v1", "generic"])
 def test_a_hit_query_after_a_write_builds_no_keys_and_suffixed_keys_are_not_remembered(monkeypatch, interface_v1):
     """Pages this server wrote through v1 or SGLang's generic ``batch_set`` (plain page hashes) are

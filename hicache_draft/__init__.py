@@ -59,7 +59,7 @@ from hicache_draft.plugins import (
 )
 from hicache_draft.pools import KNOWN_POOLS, HostPool, PoolSpec
 from hicache_draft.store import CallReport, Store, attach_headers
-from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PoolRegistration
+from hicache_draft.transfer import Buffer, Page, PageResult, PageTransfer, PendingPages, PoolRegistration
 
 if TYPE_CHECKING:
     from hicache_draft.controller import BackupResult, CacheController, Operation, PrefetchResult
@@ -127,6 +127,7 @@ __all__ = [
     "PageFormatError",
     "PageResult",
     "PageTransfer",
+    "PendingPages",
     "PluginError",
     "PoolCapability",
     "PoolKind",

@@ -1545,11 +1545,11 @@ fail:
 /* out[i] = a new page_type instance with its fields (key, group, namespace, buffers, header) set
    to the values given and None, without running the type's __init__; -1 with an exception set. */
 static int page_into(PyObject *out, Py_ssize_t i, PyObject *page_type, const field_ref *pf, PyObject *key,
-                     PyObject *group, PyObject *ns, PyObject *bufs) {
+                     PyObject *group, PyObject *ns, PyObject *bufs, PyObject *head) {
     PyObject *page = new_of(page_type);
     if (page == NULL) return -1;
     PyList_SetItem(out, i, page); /* steals: owned by the list from here */
-    PyObject *vals[5] = {key, group, ns, bufs, Py_None};
+    PyObject *vals[5] = {key, group, ns, bufs, head};
     for (int f = 0; f < 5; f++)
         if (pf[f].set(pf[f].desc, page, vals[f]) < 0) return -1;
     return 0;
@@ -1587,7 +1587,7 @@ static PyObject *make_pages(PyObject *self, PyObject *args) {
     if (out == NULL) goto fail;
     for (Py_ssize_t i = 0; i < n; i++)
         if (page_into(out, i, page_type, pf, PyTuple_GetItem(keys, i), PyTuple_GetItem(groups, i),
-                      one_ns ? nss : PyTuple_GetItem(nss, i), PyTuple_GetItem(bufs, i)) < 0)
+                      one_ns ? nss : PyTuple_GetItem(nss, i), PyTuple_GetItem(bufs, i), Py_None) < 0)
             goto fail;
     Py_DECREF(keys);
     Py_DECREF(groups);
@@ -1639,10 +1639,16 @@ static PyObject *slot_pages(PyObject *self, PyObject *args) {
     PyObject *slots_in, *tmpl_in, *owner, *cache, *keys_in, *groups_in, *ns, *page_type, *page_fields,
         *buffer_type, *buffer_fields;
     Py_ssize_t ps, limit, cache_limit;
-    if (!PyArg_ParseTuple(args, "OnnOOOnOOOOOOO:slot_pages", &slots_in, &ps, &limit, &tmpl_in, &owner, &cache,
+    unsigned long long head_base = 0;
+    PyObject *head_owner = Py_None;
+    if (!PyArg_ParseTuple(args, "OnnOOOnOOOOOOO|KO:slot_pages", &slots_in, &ps, &limit, &tmpl_in, &owner, &cache,
                           &cache_limit, &keys_in, &groups_in, &ns, &page_type, &page_fields, &buffer_type,
-                          &buffer_fields))
+                          &buffer_fields, &head_base, &head_owner))
         return NULL;
+    if (head_owner != Py_None && head_base == 0) {
+        PyErr_SetString(PyExc_ValueError, "slot_pages: headers need a base address");
+        return NULL;
+    }
     if (!PyType_Check(page_type) || !PyType_Check(buffer_type) || !PyDict_Check(cache)) {
         PyErr_SetString(PyExc_TypeError, "slot_pages: page_type and buffer_type must be types, cache a dict");
         return NULL;
@@ -1680,7 +1686,7 @@ static PyObject *slot_pages(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
-    PyObject *slots = PySequence_Tuple(slots_in), *keys = NULL, *groups = NULL, *out = NULL;
+    PyObject *slots = PySequence_Tuple(slots_in), *keys = NULL, *groups = NULL, *out = NULL, *hsize = NULL;
     if (slots == NULL) goto fail;
     keys = PySequence_Tuple(keys_in);
     groups = keys ? PySequence_Tuple(groups_in) : NULL;
@@ -1702,7 +1708,8 @@ static PyObject *slot_pages(PyObject *self, PyObject *args) {
         }
     }
     out = PyList_New(n);
-    if (out == NULL) goto fail;
+    hsize = PyLong_FromLong(HEADER_SIZE);
+    if (out == NULL || hsize == NULL) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *slot = PyTuple_GetItem(slots, i), *bufs = NULL;
         PyObject *parts = PyDict_GetItemWithError(cache, slot); /* borrowed */
@@ -1723,16 +1730,37 @@ static PyObject *slot_pages(PyObject *self, PyObject *args) {
                 }
             }
         }
-        int rc = page_into(out, i, page_type, pf, PyTuple_GetItem(keys, i), PyTuple_GetItem(groups, i), ns, bufs);
+        PyObject *head = Py_None;
+        if (head_owner != Py_None) { /* header i: HEADER_SIZE bytes at head_base + HEADER_SIZE * i */
+            head = new_of(buffer_type);
+            PyObject *hptr = head == NULL ? NULL
+                : PyLong_FromUnsignedLongLong(head_base + (unsigned long long)HEADER_SIZE * (unsigned long long)i);
+            int hrc = hptr == NULL ? -1 : bf[0].set(bf[0].desc, head, hptr);
+            Py_XDECREF(hptr);
+            if (hrc == 0) hrc = bf[1].set(bf[1].desc, head, hsize);
+            if (hrc == 0) hrc = bf[2].set(bf[2].desc, head, head_owner);
+            if (hrc < 0) {
+                Py_XDECREF(head);
+                Py_DECREF(bufs);
+                goto fail;
+            }
+        } else {
+            Py_INCREF(head);
+        }
+        int rc = page_into(out, i, page_type, pf, PyTuple_GetItem(keys, i), PyTuple_GetItem(groups, i), ns, bufs,
+                           head);
         Py_DECREF(bufs);
+        Py_DECREF(head);
         if (rc < 0) goto fail;
     }
     Py_DECREF(slots);
     Py_DECREF(keys);
     Py_DECREF(groups);
     Py_DECREF(tmpl);
+    Py_DECREF(hsize);
     return out;
 fail:
+    Py_XDECREF(hsize);
     Py_XDECREF(out);
     Py_XDECREF(slots);
     Py_XDECREF(keys);
@@ -2034,9 +2062,11 @@ static PyMethodDef methods[] = {
      "[0, limit)."},
     {"slot_pages", slot_pages, METH_VARARGS,
      "slot_pages(slots, page_size, limit, template, owner, cache, cache_limit, keys, groups, namespace, page_type, "
-     "page_fields, buffer_type, buffer_fields) -> the zero-copy pages of host slots (each slot's buffers from "
-     "cache[slot][0], else one per template entry (ptr, nbytes, stride) at ptr + slot // page_size * stride, kept "
-     "in cache below cache_limit slots), or None unless every slot is a multiple of page_size in [0, limit)."},
+     "page_fields, buffer_type, buffer_fields, header_base=0, header_owner=None) -> the zero-copy pages of host "
+     "slots (each slot's buffers from cache[slot][0], else one per template entry (ptr, nbytes, stride) at ptr + "
+     "slot // page_size * stride, kept in cache below cache_limit slots; with header_owner, page i's header a new "
+     "buffer of HEADER_SIZE bytes at header_base + HEADER_SIZE * i owned by it, else None), or None unless every "
+     "slot is a multiple of page_size in [0, limit)."},
     {"lower_hex", lower_hex, METH_O,
      "lower_hex(keys) -> whether every key is a non-empty str of lowercase hex digits."},
     {"hex_names", hex_names, METH_VARARGS,

@@ -38,7 +38,7 @@ from hicache_draft.capabilities import Attention, Capabilities, HitPolicy, IOPat
 from hicache_draft.config import ParallelConfig
 from hicache_draft.errors import BackendSetupError
 from hicache_draft.keys import make_key, pool_identities
-from hicache_draft.pools import HostPool, PoolSpec, check_page_starts, first_slots, import_torch
+from hicache_draft.pools import HostPool, PoolSpec, SlotBuffers, check_page_starts, first_slots, import_torch
 from hicache_draft.transfer import (
     _BUFFER_FIELDS,
     _PAGE_FIELDS,
@@ -46,6 +46,7 @@ from hicache_draft.transfer import (
     Page,
     PageResult,
     PageTransfer,
+    PendingPages,
     PoolRegistration,
 )
 
@@ -274,6 +275,26 @@ class Staging:
         self._parts = {}
 
 
+class SlotPages(PendingPages):
+    """The zero-copy pages of one pool's batch by first host slot, built by one compiled call when
+    needed: by the Store with their headers (:func:`hicache_draft.store.attach_headers`), or on first
+    access without (:class:`~hicache_draft.transfer.PendingPages`)."""
+
+    __slots__ = ("binding", "groups", "keys", "slots")
+
+    def __init__(self, binding: PoolBinding, keys: Sequence[str], groups: Sequence[str], slots: Sequence[int]) -> None:
+        super().__init__()
+        if not len(keys) == len(groups) == len(slots):
+            raise ValueError(f"{len(keys)} keys, {len(groups)} groups and {len(slots)} slots for one batch")
+        self.binding, self.keys, self.groups, self.slots = binding, keys, groups, slots
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def build(self, header_base: int = 0, header_owner: object = None) -> list[Page]:
+        return self.binding._slot_pages(self.keys, self.groups, self.slots, header_base, header_owner)
+
+
 @dataclass
 class Batch:
     """The pages of one pool in one call, and what is needed to finish a read.
@@ -378,21 +399,29 @@ class PoolBinding:
         return _native.make_pages(keys, gs, self.namespaces * len(groups), bufs, Page,  # type: ignore[return-value]
                                   _PAGE_FIELDS)
 
-    def _slot_pages(self, keys: Sequence[str], groups: Sequence[str], slots: Sequence[int]) -> list[Page]:
+    def _slot_pages(self, keys: Sequence[str], groups: Sequence[str], slots: Sequence[int],
+                    header_base: int = 0, header_owner: object = None) -> list[Page]:
         """The zero-copy pages at host ``slots``: for one part a page (and buffers at a fixed stride
         from page to page) in one compiled call, which checks every slot again before it makes
-        anything, so a slot that does not start a page of the pool never becomes an address;
-        otherwise from :meth:`SlotBuffers.buffers <hicache_draft.pools.SlotBuffers.buffers>`."""
+        anything, so a slot that does not start a page of the pool never becomes an address, and
+        which can give each page its header too (:class:`SlotPages`); otherwise from
+        :meth:`SlotBuffers.buffers <hicache_draft.pools.SlotBuffers.buffers>`, without headers."""
         assert self.host is not None
         view = self.host.slot_buffers(self.split)
-        if self.split == 1 and view.template is not None:
+        if self._compiled_slots(view):
+            assert view.template is not None
             pages = _native.slot_pages(slots, view.page_size, view.slots, view.template[0], view.pool, view.cache,
                                        view.limit, keys, groups, self.namespaces[0], Page, _PAGE_FIELDS, Buffer,
-                                       _BUFFER_FIELDS)
+                                       _BUFFER_FIELDS, header_base, header_owner)
             if pages is not None:
                 return pages  # type: ignore[return-value]
             self.check_slots(slots)  # raises, naming the slot
         return self._page(keys, groups, view.buffers(slots))
+
+    def _compiled_slots(self, view: SlotBuffers) -> bool:
+        """Whether a batch's pages are built by one compiled call (one part a page, buffers at a
+        fixed stride from page to page)."""
+        return self.split == 1 and view.template is not None
 
     def _rows(self, n: int) -> tuple[list[torch.Tensor], list[tuple[Buffer, ...]]]:
         """``n`` staging rows (one per page part) and their buffers."""
@@ -445,11 +474,17 @@ class PoolBinding:
 
     def zero_copy_transfer(self, groups: Sequence[str], slots: Sequence[int],
                            keys: Sequence[str] | None = None) -> PageTransfer:
-        """The zero-copy pages for ``groups`` at host ``slots`` (each checked again before it
-        becomes an address: a bad one raises ValueError and builds nothing) as one transfer: what a
-        zero-copy :meth:`slot_batch` sends, without the batch (the SGLang adapter's v1 and v2 calls)."""
-        return PageTransfer(self.name, self._slot_pages(keys if keys is not None else self.keys(groups), groups,
-                                                        slots), True)
+        """The zero-copy pages for ``groups`` at host ``slots`` as one transfer: what a zero-copy
+        :meth:`slot_batch` sends, without the batch (the SGLang adapter's v1 and v2 calls). Where
+        one compiled call builds them, they are :class:`SlotPages`, built when the Store hands them
+        over, together with their headers (one pass instead of two); otherwise built now. Either
+        way every slot is checked again before it becomes an address: a bad one raises ValueError
+        (when the pages are built) and builds nothing."""
+        assert self.host is not None, f"pool {self.name!r} has no host memory"
+        keys = keys if keys is not None else self.keys(groups)
+        if self._compiled_slots(self.host.slot_buffers(self.split)):
+            return PageTransfer(self.name, SlotPages(self, keys, groups, slots), True)
+        return PageTransfer(self.name, self._slot_pages(keys, groups, slots), True)
 
     def flat_batch(self, groups: Sequence[str], flats: Sequence[torch.Tensor], *, fill: bool,
                    keys: Sequence[str] | None = None) -> Batch:

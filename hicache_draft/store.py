@@ -59,6 +59,7 @@ from hicache_draft.transfer import (
     Page,
     PageResult,
     PageTransfer,
+    PendingPages,
     PoolRegistration,
 )
 from hicache_draft.workers import DONE as _DONE
@@ -460,22 +461,25 @@ def attach_headers(transfers: Sequence[PageTransfer], made: bool, parallel: bool
     if not count:
         return list(transfers)
     block = bytearray(HEADER_SIZE * count)
-    if made:
-        pages = [p for t in transfers for p in t.pages]
-        codes = b"".join(bytes([pool_code(t.pool)]) * len(t.pages) for t in transfers)
-        nbytes = sum(len(t.pages) * t.pages[0].nbytes for t in transfers if t.pages)  # pages of a pool: one size
-        _native.pack_headers(block, pages, codes, namespace_bytes, _threads_for(nbytes) if parallel else 1)
     whole = Buffer.of(block)
     out: list[PageTransfer] = []
     at = whole.ptr
     for t in transfers:
-        try:  # built in compiled code (about 0.1 us a page, not 1)
-            pages = _native.with_headers(t.pages, at, whole, Page, _PAGE_FIELDS, Buffer, _BUFFER_FIELDS)
-        except TypeError:  # objects that only look like pages
-            pages = [Page(p.key, p.group, p.namespace, p.buffers, Buffer(at + HEADER_SIZE * j, HEADER_SIZE, whole))
-                     for j, p in enumerate(t.pages)]
+        if isinstance(t.pages, PendingPages):  # built now, each page with its header (one compiled pass)
+            pages = t.pages.build(at, whole)
+        else:
+            try:  # built in compiled code (about 0.1 us a page, not 1)
+                pages = _native.with_headers(t.pages, at, whole, Page, _PAGE_FIELDS, Buffer, _BUFFER_FIELDS)
+            except TypeError:  # objects that only look like pages
+                pages = [Page(p.key, p.group, p.namespace, p.buffers, Buffer(at + HEADER_SIZE * j, HEADER_SIZE, whole))
+                         for j, p in enumerate(t.pages)]
         at += HEADER_SIZE * len(pages)
         out.append(PageTransfer(t.pool, pages, t.zero_copy))
+    if made:  # header i of the block is page i's, in the order of the transfers and their pages
+        pages = [p for t in out for p in t.pages]
+        codes = b"".join(bytes([pool_code(t.pool)]) * len(t.pages) for t in out)
+        nbytes = sum(len(t.pages) * t.pages[0].nbytes for t in out if t.pages)  # pages of a pool: one size
+        _native.pack_headers(block, pages, codes, namespace_bytes, _threads_for(nbytes) if parallel else 1)
     return out
 
 

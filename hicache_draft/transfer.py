@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
+from typing import Any
 
 from hicache_draft.capabilities import Attention, Component, Layout, PoolKind
 
@@ -92,11 +93,45 @@ assert [f.name for f in fields(Page)] == ["key", "group", "namespace", "buffers"
 assert [f.name for f in fields(Buffer)] == ["ptr", "nbytes", "owner"]
 
 
+class PendingPages(Sequence["Page"]):
+    """A transfer's pages, not built yet (a zero-copy batch named by host slots: see
+    :meth:`hicache_draft.PoolBinding.zero_copy_transfer`). The Store builds them together with the
+    headers it hands the backend, in one pass (:meth:`build` with a header block), instead of
+    building them and then copying each to attach its header; any other reader gets them built once,
+    on first access, without headers."""
+
+    __slots__ = ("_built",)
+
+    def __init__(self) -> None:
+        self._built: list[Page] | None = None
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def build(self, header_base: int = 0, header_owner: object = None) -> list[Page]:
+        """The pages; with ``header_owner``, page ``i``'s header is the 64 bytes at ``header_base + 64
+        * i`` (kept alive by ``header_owner``), else None. ValueError when they cannot be built."""
+        raise NotImplementedError
+
+    def _pages(self) -> list[Page]:
+        if self._built is None:
+            self._built = self.build()
+        return self._built
+
+    def __getitem__(self, index: int | slice) -> Any:  # noqa: ANN401  (a Page, or a list of them)
+        return self._pages()[index]
+
+    def __iter__(self) -> Iterator[Page]:
+        return iter(self._pages())
+
+
 @dataclass(frozen=True, slots=True)
 class PageTransfer:
     """The pages of one pool in one batched call. ``pool`` is the pool's name (``"kv"``,
     ``"draft"``, ``"indexer"``, ...: the name it was registered under). ``zero_copy`` tells whether
-    the buffers are the registered pool's own memory (True) or controller staging memory (False)."""
+    the buffers are the registered pool's own memory (True) or controller staging memory (False).
+    ``pages`` may be :class:`PendingPages` (built by the Store, with their headers, when it hands
+    them over): backends always get lists of pages."""
 
     pool: str
     pages: Sequence[Page]

@@ -14,7 +14,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_draft import HEADER_SIZE, Buffer, Page, PageTransfer, PoolKind, attach_headers
+from hicache_draft import (
+    HEADER_SIZE,
+    Attention,
+    Buffer,
+    Capabilities,
+    HostPool,
+    Layout,
+    Page,
+    PageTransfer,
+    PoolBinding,
+    PoolCapability,
+    PoolKind,
+    PoolSpec,
+    attach_headers,
+    plan_binding,
+)
+from hicache_draft.binding import SlotPages
+from hicache_draft.config import ParallelConfig
 
 NS = "ab" * 12
 
@@ -54,6 +71,43 @@ def test_pages_with_headers_are_the_callers_pages_plus_their_own_header(counts, 
     for o in out:
         for q in o.pages:
             assert any(q.header.view()) is made
+
+
+@settings(max_examples=25, deadline=None)
+@given(pages=st.lists(st.integers(0, 5), max_size=8), lead=st.integers(0, 3), made=st.booleans())
+def test_pages_named_by_slot_are_built_with_their_headers_as_ready_pages_get_them(pages, lead, made) -> None:
+    """A zero-copy batch named by host slots (``SlotPages``: its pages built only when the Store
+    hands them over, together with their headers) gets exactly what its pages built beforehand
+    get: the same pages, header for header in one block after the transfers before it, and, for a
+    ``page_set``, the same header bytes."""
+    import torch
+
+    ps = 4
+    spec = PoolSpec(kind=PoolKind.KV, layers=2, page_size=ps, dtype="bfloat16", attention=Attention.MHA,
+                    layout=Layout.PAGE_FIRST, kv_heads=2, head_dim=8)
+    pool = HostPool(spec, 6)
+    assert pool.raw is not None
+    raw = pool.raw.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
+    caps = Capabilities(pools={PoolKind.KV: PoolCapability(attention=frozenset(Attention),
+                                                           zero_copy_layouts=frozenset(Layout))})
+    b = PoolBinding(plan_binding(spec, caps, ParallelConfig(), model="m", target_model="m"), pool)
+    assert b.zero_copy
+    groups = [f"{p:x}{i:x}" for i, p in enumerate(pages)]
+    slots = [p * ps for p in pages]
+    region = bytearray(range(256)) * 64
+    before = PageTransfer(PoolKind.DRAFT, _pages(lead, 1, region), True)  # a transfer ahead of it
+    named = b.zero_copy_transfer(groups, slots)
+    assert isinstance(named.pages, SlotPages)
+    ready = PageTransfer(named.pool, list(SlotPages(b, b.keys(groups), groups, slots)), True)
+    got, want = attach_headers([before, named], made=made), attach_headers([before, ready], made=made)
+    for g, w in zip(got, want, strict=True):
+        assert [dataclasses.replace(p, header=None) for p in g.pages] == [
+            dataclasses.replace(p, header=None) for p in w.pages]
+        assert [bytes(p.header.view()) for p in g.pages] == [bytes(p.header.view()) for p in w.pages]
+    heads = [p.header.ptr for t in got for p in t.pages]
+    assert heads == [heads[0] + HEADER_SIZE * i for i in range(len(heads))] if heads else True
+    assert all(any(p.header.view()) is made for t in got for p in t.pages)
 
 
 def test_objects_that_only_look_like_pages_get_the_same_pages() -> None:

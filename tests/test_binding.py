@@ -4,6 +4,7 @@ number of pools (DSA indexers, sliding windows, recurrent state, their drafts) o
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -33,11 +34,14 @@ from hicache_draft import (
     unregister_backend,
     usable_hit,
 )
-from hicache_draft.binding import PoolBinding, Staging, query_hit
+from hicache_draft.binding import PoolBinding, SlotPages, Staging, query_hit
 from hicache_draft.config import ParallelConfig
 from hicache_draft.keys import pool_identities
+from hicache_draft.page_format import HEADER_SIZE
 from hicache_draft.paths import plan_paths
+from hicache_draft.store import attach_headers
 from hicache_draft.testing import MemoryBackend
+from hicache_draft.transfer import Buffer
 
 PS = 4
 ROW_LAYOUTS = [Layout.LAYER_FIRST, Layout.PAGE_FIRST, Layout.PAGE_FIRST_DIRECT]
@@ -606,11 +610,25 @@ def test_zero_copy_pages_are_the_pools_own_buffers_from_a_cold_or_warm_cache(nam
     groups = [f"{p:x}{i:x}" for i, p in enumerate(pages)]
     for _ in range(2):  # the slot cache empty, then holding these slots
         batch = b.slot_batch(groups, slots, fill=False)
+        assert isinstance(batch.transfer.pages, SlotPages) and len(batch.transfer.pages) == len(slots)
         want = [Page(k, g, b.namespaces[0], pool.page_buffers(s))
                 for k, g, s in zip(b.keys(groups), groups, slots, strict=True)]
-        assert batch.transfer.pages == want and batch.transfer.zero_copy and batch.slots == slots
+        assert list(batch.transfer.pages) == want and batch.transfer.zero_copy and batch.slots == slots
         assert all(type(p) is Page and p.header is None for p in batch.transfer.pages)
         assert all(buf.owner is pool for p in batch.transfer.pages for buf in p.buffers)
+        # as the Store builds them: the same pages, each with its header in the block, in order
+        block = bytearray(HEADER_SIZE * len(slots))
+        whole = Buffer.of(block)
+        (handed,) = attach_headers([batch.transfer], made=False)
+        assert [replace(p, header=None) for p in handed.pages] == want
+        assert [(p.header.ptr, p.header.nbytes) for p in handed.pages] == [
+            (handed.pages[0].header.ptr + HEADER_SIZE * i, HEADER_SIZE) for i in range(len(slots))]
+        if slots:
+            built = batch.transfer.pages.build(whole.ptr, whole)
+            assert [replace(p, header=None) for p in built] == want
+            assert [p.header for p in built] == [Buffer(whole.ptr + HEADER_SIZE * i, HEADER_SIZE, whole)
+                                                 for i in range(len(slots))]
+            assert all(p.header.owner is whole for p in built)
     assert set(pool.slot_buffers().cache) == set(slots)
 
 
@@ -619,9 +637,15 @@ def test_zero_copy_pages_refuse_a_slot_that_starts_no_page_before_making_any(bad
     spec = PoolSpec(kind="kv", layers=2, page_size=PS, dtype="bfloat16", **ZERO_COPY_SPECS["mha page_first"])
     pool = HostPool(spec, 6)
     b = PoolBinding(plan_binding(spec, ALL_CAPS, ParallelConfig(), model="m", target_model="m"), pool)
-    for checked in (True, False):  # the compiled builder checks again what the caller says it checked
-        with pytest.raises(ValueError, match=f"host slot {bad} is not the first slot of a page"):
-            b.slot_batch(["a", "b"], [0, bad], fill=False, checked=checked)
+    with pytest.raises(ValueError, match=f"host slot {bad} is not the first slot of a page"):
+        b.slot_batch(["a", "b"], [0, bad], fill=False)
+    # the compiled builder checks again what the caller says it checked, when the pages are built:
+    # read, or handed to a backend by the Store
+    batch = b.slot_batch(["a", "b"], [0, bad], fill=False, checked=True)
+    with pytest.raises(ValueError, match=f"host slot {bad} is not the first slot of a page"):
+        list(batch.transfer.pages)
+    with pytest.raises(ValueError, match=f"host slot {bad} is not the first slot of a page"):
+        attach_headers([batch.transfer], made=False)
     assert pool.slot_buffers().cache == {}
 
 

@@ -239,9 +239,10 @@ def test_compiled_slot_pages_refuse_bad_arguments_and_leak_nothing() -> None:
     owner = bytearray(64)
     tmpl = ((1000, 16, 64), (2000, 16, 64))
 
-    def call(slots, ps=4, limit=32, template=tmpl, cache=None, keys=("a.b", "c.d"), groups=("a", "c"), ns=NS):
+    def call(slots, ps=4, limit=32, template=tmpl, cache=None, keys=("a.b", "c.d"), groups=("a", "c"), ns=NS,
+             heads=()):
         return _native.slot_pages(slots, ps, limit, template, owner, {} if cache is None else cache, 1 << 10,
-                                  list(keys), list(groups), ns, Page, _PAGE_FIELDS, Buffer, _BUFFER_FIELDS)
+                                  list(keys), list(groups), ns, Page, _PAGE_FIELDS, Buffer, _BUFFER_FIELDS, *heads)
 
     got = call([8, 0])
     assert [p.buffers for p in got] == [(Buffer(1128, 16, owner), Buffer(2128, 16, owner)),
@@ -259,14 +260,21 @@ def test_compiled_slot_pages_refuse_bad_arguments_and_leak_nothing() -> None:
         call([0, 4], ps=0)
     with pytest.raises(TypeError):
         call(["0", 4])
-    refs = sys.getrefcount(NS), sys.getrefcount(owner)
+    with pytest.raises(ValueError, match="headers need a base address"):
+        call([0, 4], heads=(0, owner))
+    block = bytearray(128)
+    got = call([8, 0], heads=(5000, block))  # page i's header: 64 bytes at base + 64 i, owned by the block
+    assert [p.header for p in got] == [Buffer(5000, HEADER_SIZE, block), Buffer(5064, HEADER_SIZE, block)]
+    assert all(p.header.owner is block for p in got) and call([8, 0], heads=(5000, None))[0].header is None
+    refs = sys.getrefcount(NS), sys.getrefcount(owner), sys.getrefcount(block)
     cache = {}
     for _ in range(100):
         call([0, 4], cache=cache)
-        call([12, 16])
+        call([12, 16], heads=(5000, block))
     gc.collect()
     assert len(cache) == 2 and sys.getrefcount(NS) <= refs[0] + 1
     assert sys.getrefcount(owner) <= refs[1] + 4  # the cached slots' buffers hold it, nothing else
+    assert sys.getrefcount(block) <= refs[2] + 1
 
 
 def test_compiled_pages_refuse_sequences_of_different_lengths() -> None:

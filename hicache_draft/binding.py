@@ -343,7 +343,7 @@ class PoolBinding:
     # -- what it is ---------------------------------------------------------------------------------
     @property
     def zero_copy(self) -> bool:
-        """Pages move straight from and into the host pool's memory (asked once a call and pool)."""
+        """Pages move straight from and into the host pool's own memory."""
         return self.path is IOPath.ZERO_COPY and self.host is not None
 
     @property

@@ -131,7 +131,7 @@ class PageTransfer:
     ``"draft"``, ``"indexer"``, ...: the name it was registered under). ``zero_copy`` tells whether
     the buffers are the registered pool's own memory (True) or controller staging memory (False).
     ``pages`` may be :class:`PendingPages` (built by the Store, with their headers, when it hands
-    them over): backends always get lists of pages."""
+    them over): a Store always hands its backend lists of pages."""
 
     pool: str
     pages: Sequence[Page]

@@ -32,7 +32,9 @@ they cost in one call).
 Every row but ``set`` also times the adapter's call alone, with each Store call it makes answered at
 once (nothing moved; a set's pages must be fresh, so it has none), in the same round: the adapter's
 own work with caches as cold as its real call finds them, keys and staging copies included, printed
-as a share of the backend's call. It is not what the goal is checked on (it leaves out what the
+as a share of the backend's call. (A zero-copy call's pages are built by the Store, with their
+headers, as the baseline's are copied to attach theirs: that pass is the Store's on both sides and
+not in this row.) It is not what the goal is checked on (it leaves out what the
 adapter's call costs the backend's), but it tells the adapter's work from the machine's noise.
 
 Paths: ``v1`` (``batch_set_v1`` / ``batch_get_v1`` / ``batch_exists``: target pages zero-copy by

@@ -183,8 +183,9 @@ def call_done(
     returned the wrong shape). ``seconds``: wall time the caller waited. ``results``: the final
     per-page results after the core's verification (a page the backend called ``OK`` that failed
     it is ``CORRUPT`` here); for ``page_exists`` the leading pages stored per pool are ``OK`` and
-    the rest ``MISS``. ``transfers``: the pages (empty for ``page_exists``). Called in the caller's
-    thread after the call: keep it cheap; an exception is logged and ignored."""
+    the rest ``MISS``. ``transfers``: the pages as the backend was handed them, each with its
+    header (empty for ``page_exists``). Called in the caller's thread after the call: keep it
+    cheap; an exception is logged and ignored."""
 
 
 @hookspec

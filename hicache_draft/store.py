@@ -215,9 +215,9 @@ class Store:
         if hook not in ("page_set", "page_get"):
             raise ValueError(f"Store.call runs page_set or page_get, not {hook!r}")
         started = time.perf_counter()
-        outcome, results, fut = self._per_page_call(hook, transfers, timeout_s)
-        if transfers and any(t.pages for t in transfers):
-            self._done(hook, outcome, started, transfers, results)
+        outcome, results, fut, handed = self._per_page_call(hook, transfers, timeout_s)
+        if handed and any(t.pages for t in handed):  # observers see what the backend was handed
+            self._done(hook, outcome, started, handed, results)
         return CallReport(results, outcome, fut)
 
     def attach_headers(self, transfers: Sequence[PageTransfer], made: bool) -> list[PageTransfer]:
@@ -234,9 +234,10 @@ class Store:
 
     def _per_page_call(
         self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None
-    ) -> tuple[str, dict[str, list[PageResult]], Future[Any]]:
+    ) -> tuple[str, dict[str, list[PageResult]], Future[Any], Sequence[PageTransfer]]:
+        """(outcome, per-page results, released, the transfers as the backend was handed them)."""
         if not any(t.pages for t in transfers):
-            return "ok", {t.pool: [] for t in transfers}, _DONE
+            return "ok", {t.pool: [] for t in transfers}, _DONE, transfers
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         # a backend that writes through write_records gets zeroed headers: the core makes each
         # one while writing the page (one pass over its memory), not before the call
@@ -265,10 +266,10 @@ class Store:
         if got is None:
             if early is not None:
                 early.abandon()
-            return status if status != "ok" else "error", out, fut
+            return status if status != "ok" else "error", out, fut, transfers
         if early is not None:
             early.settle(got)
-        return "ok", got, fut
+        return "ok", got, fut, transfers
 
     def _results(
         self, hook: str, status: str, value: Any, transfers: Sequence[PageTransfer]  # noqa: ANN401

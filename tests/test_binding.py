@@ -23,6 +23,7 @@ from hicache_draft import (
     IOPath,
     Layout,
     PageResult,
+    PageTransfer,
     PoolCapability,
     PoolKind,
     PoolSpec,
@@ -432,6 +433,37 @@ class CallLog:
     @hookimpl
     def call_done(self, backend, hook, outcome, seconds, transfers, results):
         self.calls.append((hook, [str(t.pool) for t in transfers or ()]))
+
+
+class HandedLog:
+    def __init__(self) -> None:
+        self.seen: list[PageTransfer] = []
+
+    @hookimpl
+    def call_done(self, backend, hook, outcome, seconds, transfers, results):
+        self.seen.extend(transfers)
+
+
+def test_observers_see_the_pages_the_backend_was_handed_not_a_second_build(memory):
+    """A zero-copy batch named by slot is built once, by the Store, with its headers: ``call_done``
+    gets those pages (lists, headers set), not the pending ones, which it would build again."""
+    spec = PoolSpec(kind="kv", layers=2, page_size=PS, dtype="bfloat16", **ZERO_COPY_SPECS["mha page_first"])
+    b = PoolBinding(plan_binding(spec, ALL_CAPS, ParallelConfig(), model="m", target_model="m"), HostPool(spec, 6))
+    log = HandedLog()
+    store = Store.open("memory", {}, observers=[log])
+    try:
+        for hook in ("page_set", "page_get"):
+            batch = b.slot_batch(["0a", "0b"], [0, 2 * PS], fill=hook == "page_set")
+            assert isinstance(batch.transfer.pages, SlotPages)
+            got = store.page_set([batch.transfer]) if hook == "page_set" else store.page_get([batch.transfer])[0]
+            assert got[PoolKind.KV] == [PageResult.OK] * 2
+            (handed,) = log.seen
+            log.seen.clear()
+            assert type(handed.pages) is list and [p.key for p in handed.pages] == b.keys(["0a", "0b"])
+            assert all(p.header is not None for p in handed.pages)
+            assert batch.transfer.pages._built is None  # never built without headers
+    finally:
+        store.close()
 
 
 def test_all_pools_of_a_batch_go_in_one_call(memory):

@@ -389,7 +389,8 @@ class HiCacheDraftStorage(HiCacheStorage):
         if not total:
             return out
         stagings = {id(s): s for j in jobs if (s := j.staging) is not None}
-        if not stagings:  # zero-copy pages only (v1, v2): one backend call, no staging to hold
+        if not stagings and all(j.slots is not None and j.binding.zero_copy for j in jobs):
+            # zero-copy pages only (v1, v2): one backend call, no staging to hold
             try:
                 self._run_zero_copy(op, jobs, out)
             except Exception as exc:  # never raise into SGLang's I/O threads

@@ -286,6 +286,21 @@ def test_target_and_draft_round_trip_byte_exact(backend, target, layout, draft):
         assert GenericOnly.seen and not any(zc for _, _, zc, _ in GenericOnly.seen)
 
 
+def test_a_generic_pool_without_its_staging_area_still_goes_through_staging():
+    """Only pools on the zero-copy path take the one-call zero-copy route: a generic pool's slot
+    pages are copied through staging (fresh memory when its area is gone), never handed to the
+    backend as the host pool's own memory."""
+    GenericOnly.seen = []
+    kv = mha(seed=9)
+    adapter = attach(build(extra_config("generic-only", {"space": secrets.token_hex(4)})), kv)
+    adapter.bindings[PoolKind.KV].staging = None
+    keys = hashes(2, salt=61)
+    assert adapter.batch_set_v1(keys, indices([0, 4])) == [True, True]
+    assert GenericOnly.seen == [("set", PoolKind.KV, False, 2)]
+    assert adapter.batch_get_v1(keys, indices([8, 12])) == [True, True]
+    assert [hr.page_bytes(kv, d) for d in (8, 12)] == [hr.page_bytes(kv, s) for s in (0, 4)]
+
+
 def test_v2_sends_target_and_draft_in_one_backend_call():
     adapter = attach(build(extra_config("memory", {})), mha(seed=1), mha(layers=1, seed=2))
     keys = hashes(3)

@@ -188,6 +188,15 @@ def _announce(finished: Finished, jobs: list[_Job], results: dict[str, list[Page
         finished(pool, indices)
 
 
+def _header_block(jobs: list[_Job]) -> int:
+    """The address of the jobs' headers when they lie one after another in one block (the core
+    makes a batch's headers so), else 0."""
+    at = [-1 if job.page.header is None else job.page.header.ptr for job in jobs]
+    if not at or at[0] < 0:
+        return 0
+    return at[0] if at == list(range(at[0], at[0] + HEADER_SIZE * len(at), HEADER_SIZE)) else 0
+
+
 def _chunks(items: list[_Job], n: int) -> Iterator[list[_Job]]:
     for i in range(0, len(items), n):
         yield items[i : i + n]
@@ -398,9 +407,9 @@ class MooncakeBackend(StorageBackend):
                        step, text)
 
     def _codes_seen(self, op: str, rcs: Sequence[int]) -> None:
-        bad = {c for c in rcs if c < 0}
-        if not bad:
+        if not rcs or min(rcs) >= 0:
             return
+        bad = {c for c in rcs if c < 0}
         rpc = bad & codes.RPC_CODES
         if rpc or (op == "exist" and codes.INTERNAL_ERROR in bad):
             self._trip(op, min(rpc) if rpc else codes.INTERNAL_ERROR)
@@ -427,29 +436,31 @@ class MooncakeBackend(StorageBackend):
 
     def _jobs(self, transfers: Sequence[PageTransfer]) -> list[_Job]:
         prefix = self.opts.key_prefix
-        return [
-            _Job(t.pool, i, p, prefix + p.key, sum(b.nbytes for b in p.buffers))
-            for t in transfers
-            for i, p in enumerate(t.pages)
-        ]
+        return [_Job(t.pool, i, p, prefix + p.key, p.nbytes) for t in transfers for i, p in enumerate(t.pages)]
 
     def _split(self, sess: Session, jobs: list[_Job], counts: Counter[str]) -> tuple[list[_Job], list[_Job]]:
         """(staged, direct) jobs, by ``io_mode`` and, in shm mode, by where the buffers live."""
-        staged: list[_Job] = []
-        direct: list[_Job] = []
         mode = self.opts.io_mode
-        mem = sess.mem
-        shm = mem.shm
-        limit = self.opts.staged_max_page_bytes
-        auto_stage = mode == "auto" and not shm and self.opts.protocol == "tcp"
-        for job in jobs:
-            if shm and not mem.inside(job.page.buffers):
-                counts["bounced_pages"] += 1
-                staged.append(job)
-            elif mode == "staged" or (auto_stage and job.nbytes <= limit):
-                staged.append(job)
+        if sess.mem.shm:  # memory outside the shared pool is bounced through staging
+            inside = sess.mem.inside_each([job.page.buffers for job in jobs])
+            outside = inside.count(False)
+            if outside:
+                counts["bounced_pages"] += outside
+            if mode == "staged":
+                staged, direct = jobs, []
+            elif not outside:
+                return [], jobs
             else:
-                direct.append(job)
+                staged = [job for job, ok in zip(jobs, inside, strict=True) if not ok]
+                direct = [job for job, ok in zip(jobs, inside, strict=True) if ok]
+        elif mode == "staged":
+            staged, direct = jobs, []
+        elif mode == "auto" and self.opts.protocol == "tcp":
+            limit = self.opts.staged_max_page_bytes
+            staged = [job for job in jobs if job.nbytes <= limit]
+            direct = [job for job in jobs if job.nbytes > limit]
+        else:
+            return [], jobs
         counts["staged_pages"] += len(staged)
         return staged, direct
 
@@ -561,13 +572,16 @@ class MooncakeBackend(StorageBackend):
         counts: Counter[str], make_headers: MakeHeaders | None = None,
     ) -> None:
         present = self._exist(sess, [j.key for j in chunk])
-        todo: list[_Job] = []
-        for job, rc in zip(chunk, present, strict=True):
-            if rc == 1:
-                results[job.pool][job.index] = OK
-                counts["put_skipped"] += 1
-            elif rc == 0:
-                todo.append(job)
+        if present.count(0) == len(present):  # none stored yet (the usual backup)
+            todo = chunk
+        else:
+            todo = []
+            for job, rc in zip(chunk, present, strict=True):
+                if rc == 1:
+                    results[job.pool][job.index] = OK
+                    counts["put_skipped"] += 1
+                elif rc == 0:
+                    todo.append(job)
         if not todo or self._breaker.down:
             return
         staged, direct = self._split(sess, todo, counts)
@@ -622,13 +636,23 @@ class MooncakeBackend(StorageBackend):
         _ask_headers(make_headers, jobs)
         arena = sess.mem.borrow(HEADER_SIZE * len(jobs))
         sub = _Sub(jobs, sess, arena)
-        mv, base = arena.view, arena.ptr
-        for n, job in enumerate(jobs):
-            page = job.page
-            off = n * HEADER_SIZE
-            mv[off : off + HEADER_SIZE] = self._header(sess, job, None)
-            sub.ptrs.append([base + off, *(b.ptr for b in page.buffers)])
-            sub.sizes.append([HEADER_SIZE, *(b.nbytes for b in page.buffers)])
+        mv, ptrs, sizes, memmove = arena.view, sub.ptrs, sub.sizes, ctypes.memmove
+        block = _header_block(jobs)
+        if block:  # the core's headers, one after another: stored verbatim, one copy
+            memmove(arena.ptr, block, HEADER_SIZE * len(jobs))
+        dst = arena.ptr
+        for job in jobs:
+            bufs = job.page.buffers
+            if not block:
+                head = job.page.header
+                if head is not None:  # the core's, stored verbatim
+                    memmove(dst, head.ptr, HEADER_SIZE)
+                else:
+                    off = dst - arena.ptr
+                    mv[off : off + HEADER_SIZE] = self._header(sess, job, None)
+            ptrs.append([dst, *[b.ptr for b in bufs]])
+            sizes.append([HEADER_SIZE, *[b.nbytes for b in bufs]])
+            dst += HEADER_SIZE
         return sub
 
     def _native_put_staged(self, sub: _Sub) -> list[int]:
@@ -649,6 +673,11 @@ class MooncakeBackend(StorageBackend):
             rcs = [codes.INTERNAL_ERROR] * len(jobs)
         self._codes_seen("put", rcs)
         counts["put_batches"] += 1
+        if rcs.count(codes.OK) == len(rcs):  # all stored (the usual put)
+            for job in jobs:
+                results[job.pool][job.index] = OK
+            counts["put"] += len(jobs)
+            return
         for job, rc in zip(jobs, rcs, strict=True):
             res = codes.put_result(rc)
             results[job.pool][job.index] = res
@@ -699,10 +728,12 @@ class MooncakeBackend(StorageBackend):
     def _prepare_direct_get(self, sess: Session, jobs: list[_Job]) -> _Sub:
         arena = sess.mem.borrow(HEADER_SIZE * len(jobs))
         sub = _Sub(jobs, sess, arena)
-        for n, job in enumerate(jobs):
+        ptrs, sizes, dst = sub.ptrs, sub.sizes, arena.ptr
+        for job in jobs:
             bufs = job.page.buffers
-            sub.ptrs.append([arena.ptr + n * HEADER_SIZE, *(b.ptr for b in bufs)])
-            sub.sizes.append([HEADER_SIZE, *(b.nbytes for b in bufs)])
+            ptrs.append([dst, *[b.ptr for b in bufs]])
+            sizes.append([HEADER_SIZE, *[b.nbytes for b in bufs]])
+            dst += HEADER_SIZE
         return sub
 
     def _native_get_staged(self, sub: _Sub) -> list[int]:
@@ -746,9 +777,10 @@ class MooncakeBackend(StorageBackend):
                 hoff = n * HEADER_SIZE
                 res = (self._check(job, mv[hoff : hoff + HEADER_SIZE], self._payload_views(sub.sess, job.page))
                        if verify else OK)
-            if res is OK and job.page.header is not None:
+            head = job.page.header
+            if res is OK and head is not None:
                 hoff = off - HEADER_SIZE - job.nbytes if staged else n * HEADER_SIZE
-                job.page.header.view()[:] = mv[hoff : hoff + HEADER_SIZE]
+                memmove(head.ptr, base + hoff, HEADER_SIZE)
             results[job.pool][job.index] = res
             counts[_STAT[res]] += 1
 

@@ -18,7 +18,7 @@ import contextlib
 import ctypes
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,27 @@ class Memory:
         """Whether every buffer lies inside a registered range (one lock for all of them)."""
         with self._lock:
             return all(self._find(b.ptr, b.nbytes) >= 0 for b in buffers)
+
+    def inside_each(self, pages: Iterable[Sequence[Buffer]]) -> list[bool]:
+        """For each page's buffers, whether all lie inside registered ranges (one lock for the
+        batch; a page's buffers usually share the range the page before them was found in)."""
+        out: list[bool] = []
+        with self._lock:
+            starts, ends = self._starts, self._ends
+            lo, hi = 1, 0  # the range found last (none yet)
+            for buffers in pages:
+                ok = True
+                for b in buffers:
+                    ptr, end = b.ptr, b.ptr + b.nbytes
+                    if lo <= ptr and end <= hi:
+                        continue
+                    i = bisect.bisect(starts, ptr) - 1
+                    if i < 0 or end > ends[i]:
+                        ok = False
+                        break
+                    lo, hi = starts[i], ends[i]
+                out.append(ok)
+        return out
 
     def views(self, buffers: Sequence[Buffer]) -> list[memoryview]:
         """Byte views of ``buffers`` (slices of known ranges; one lock for all of them)."""

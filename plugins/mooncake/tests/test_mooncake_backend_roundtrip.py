@@ -2,6 +2,7 @@
 format (one object per page: core header then raw bytes), corruption, and the skip of stored keys."""
 
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from hicache_draft import (
     HEADER_SIZE,
     Attention,
+    Buffer,
     Layout,
     PageResult,
     PoolKind,
@@ -376,4 +378,35 @@ def test_a_store_put_asks_the_core_for_each_sub_batchs_headers(open_store, new_g
                        for i, p in enumerate(w_pages)])
     got, _ = store.page_get([r.transfer(r.pages(g, list(range(6))))])
     assert got[PoolKind.KV] == [OK] * 6
+    assert [r.page_bytes(i) for i in range(6)] == [w.page_bytes(i) for i in range(6)]
+
+
+@pytest.mark.parametrize("order", ["block", "reversed", "own", "mixed"])
+@pytest.mark.parametrize("shm", [False, True])
+def test_direct_puts_store_each_pages_own_header_wherever_the_headers_lie(open_store, new_groups, order, shm):
+    """A direct put copies the core's headers into its header slots: in one copy when they lie one
+    after another in the order of the pages (the core's batch), page by page otherwise (reversed
+    block, one allocation each), and made by the backend for a page handed without one; every page
+    then reads back through the Store, which verifies it against its stored header."""
+    store = open_store(shm=shm, io_mode="direct")
+    alloc = host_allocator(store)
+    w, r = make_rig(allocator=alloc), make_rig(allocator=alloc)
+    for rig in (w, r):
+        store.register_pool(rig.registration())
+    w.fill_random()
+    g = new_groups(6)
+    [sent] = attach_headers([w.transfer(w.pages(g, range(6)))], made=True)
+    pages = list(sent.pages)
+    if order == "reversed":
+        pages.reverse()
+    elif order in ("own", "mixed"):
+        own = [bytearray(p.header.view()) for p in pages]
+        pages = [replace(p, header=None if order == "mixed" and i % 2 else Buffer.of(h))
+                 for i, (p, h) in enumerate(zip(pages, own, strict=True))]
+    before = dict(store.backend.stats)
+    res = store.backend.page_set([w.transfer(pages)], time.monotonic() + 10)
+    assert res == {PoolKind.KV: [OK] * 6}
+    assert stat_delta(store, before).get("staged_pages", 0) == 0
+    got, _ = store.page_get([r.transfer(r.pages(g, range(6)))])
+    assert got == {PoolKind.KV: [OK] * 6}
     assert [r.page_bytes(i) for i in range(6)] == [w.page_bytes(i) for i in range(6)]

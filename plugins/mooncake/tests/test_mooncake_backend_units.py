@@ -1,14 +1,16 @@
-"""Unit tests without a store: return-code mapping and the circuit breaker's background prober."""
+"""Unit tests without a store: return-code mapping, the circuit breaker's background prober and the
+check of where page buffers lie."""
 
 import threading
 import time
 
 from hicache_draft_mooncake import codes
 from hicache_draft_mooncake.breaker import Breaker
+from hicache_draft_mooncake.memory import Memory
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache_draft import PageResult
+from hicache_draft import Buffer, PageResult
 
 
 @given(st.integers(min_value=-2000, max_value=1 << 40), st.integers(min_value=65, max_value=1 << 30))
@@ -74,3 +76,29 @@ def test_a_probe_that_raises_means_not_yet_and_close_stops_the_prober():
     n = len(calls)
     time.sleep(0.1)
     assert len(calls) <= n + 1 and not b.trip()  # closed: no more probes, no more trips
+
+
+class _Registrar:
+    """The native client's registration call, all a TCP-mode Memory asks of it."""
+
+    def register_buffer(self, ptr, nbytes):
+        return 0
+
+
+_ranges = st.lists(st.tuples(st.integers(0, 64), st.integers(1, 64)), min_size=0, max_size=6)
+_buffers = st.lists(st.tuples(st.integers(0, 1200), st.integers(0, 80)), min_size=0, max_size=4)
+
+
+@given(_ranges, st.lists(_buffers, max_size=12))
+def test_inside_each_answers_as_inside_does_page_by_page(gaps_and_sizes, pages):
+    """The batch check (one lock, the last range found tried first) says of every page what the
+    per-page check says: buffers in one registered range, in neighbouring ranges, across a gap,
+    before the first or past the last, and empty ones."""
+    mem = Memory(_Registrar(), shm=False)
+    at = 16
+    for gap, size in gaps_and_sizes:   # ranges apart by gaps of 0-64 bytes (0: touching)
+        at += gap
+        mem.register_external(at, size * 8)
+        at += size * 8
+    batch = [[Buffer(ptr, n) for ptr, n in page] for page in pages]
+    assert mem.inside_each(batch) == [mem.inside(page) for page in batch]

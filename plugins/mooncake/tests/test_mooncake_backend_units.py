@@ -96,7 +96,7 @@ def test_inside_each_answers_as_inside_does_page_by_page(gaps_and_sizes, pages):
     before the first or past the last, and empty ones."""
     mem = Memory(_Registrar(), shm=False)
     at = 16
-    for gap, size in gaps_and_sizes:   # ranges apart by gaps of 0-64 bytes (0: touching)
+    for gap, size in gaps_and_sizes:  # ranges apart by gaps of 0-64 bytes (0: touching)
         at += gap
         mem.register_external(at, size * 8)
         at += size * 8

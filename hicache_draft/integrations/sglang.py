@@ -228,8 +228,7 @@ class _Hashes:
     @property
     def groups(self) -> Sequence[str]:
         if self._groups is None:
-            self._own = bool(_native.lower_hex(self.hashes))
-            self._groups = list(self.hashes) if self._own else page_groups(self.hashes)
+            self._groups = list(self.hashes) if self.own else page_groups(self.hashes)
         return self._groups
 
     @property

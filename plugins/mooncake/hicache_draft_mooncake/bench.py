@@ -16,9 +16,13 @@ get; the backend stores one object per page, header included, and checks existen
 * ``shm`` mode: host pools from the backend's ``host_memory`` hook (the shared pool), ``direct``.
 * ``bare hooks``: the backend's own hooks for the variant ``auto`` picks, headers made outside the
   timing, no verification: the Store row minus this row is what the core's header and
-  verification cost. They run right after the Store's calls in even rounds and right before them
-  in odd ones (after, they would always find the source pages in the CPU cache: the Store run's
-  read-back and their own header making read them just before).
+  verification cost. A variant of its own on the Store's backend (its client, pools and
+  reference), with its own turn in the rotation and its own pair of baseline runs, so the two are
+  compared in like positions: what runs just before a call moves it more than the core does
+  (measured on the VM: 20 ms idle before a shared-memory put of 128 x 64 KiB made it 2.84-2.99 ->
+  4.61-5.53 ms), and an earlier bench that ran the hooks within the Store's turn, alternately
+  before and after its calls, put the Store's set 17% behind its hooks over TCP at 1 MiB where,
+  each after a baseline round, the two differ by 1-2%.
 
 Native rows (no checksum, copy or Python work) measure each layout choice separately: K/V objects
 without the existence call, one slot per page (the staged layout), header slot + buffers (the
@@ -47,10 +51,11 @@ Noise (a shared 2-core machine; measured: Mooncake clients of one process differ
 ``costs`` (ms per batch, medians of per-round differences of times normalised by their paired
 baseline): the core's header making (``attach_headers`` timed alone: one xxh3 pass over the
 page) and verification (Store get - bare get), what the Store's set costs over the bare hooks
-given ready headers (its thread hop plus the part of the on-demand headers that does not hide behind
-the transfer), the baseline's existence call, the header slot (direct layout - buffers only),
-batch splitting (16 MiB calls - one call), one object vs K/V objects, and the backend's own work
-over its layout (bare hooks - native row of the same layout: staging copies, Python).
+given ready headers (its thread hop plus the part of the on-demand headers that does not hide
+behind the transfer), the baseline's existence call, the header slot (direct layout - buffers
+only), batch splitting (16 MiB calls - one call), one object vs K/V objects, and the backend's own
+work over its layout (bare hooks - native row of the same layout: staging copies, Python). Every
+one is a difference of two variants, each over its own baseline pair.
 
 Checks (the CI test asserts them, never a timing): every call of every variant answered OK, every
 get returned the bytes that were put (compared outside the timing), existence found every page,
@@ -256,9 +261,8 @@ class _Plugin:
     """One plugin Store with its own source/destination host pools."""
 
     def __init__(self, name: str, opts: dict[str, Any], spec: PoolSpec, pages: int, data: torch.Tensor,
-                 checks: Checks, bare: bool = False) -> None:
+                 checks: Checks) -> None:
         self.name, self.checks = name, checks
-        self.bare = bare  # also time the backend's own hooks (no core header or verification)
         self.store = Store.open("mooncake", opts)
         alloc = _host_allocator(self.store)
         self.spec = spec
@@ -283,59 +287,67 @@ class _Plugin:
         ps, ns = self.spec.page_size, ns or self.ns
         return [Page(make_key(g, ns), g, ns, pool.page_buffers(i * ps)) for i, g in enumerate(groups)]
 
-    def _ok(self, res: dict[str, list[Any]], pool: str) -> None:
+    def ok(self, res: dict[str, list[Any]], pool: str) -> None:
         self.checks.expect("every call OK", all(x == 0 for x in res[pool]), self.name)
 
-    def _read_back(self) -> None:
+    def read_back(self) -> None:
         self.checks.expect("every get byte-exact", _same(self.src, self.dst), self.name)
         self.checks.expect("no corrupt page", self.store.corrupt_pages == 0, self.name)
         assert self.dst.raw is not None
         self.dst.raw.fill_(0)
 
-    def round(self, groups: list[str], out: Times, turn: int = 0) -> list[str]:
-        """One timed run (round ``turn``); the Mooncake keys it stored (for removal). With ``bare``, the
-        backend's own hooks run after the Store's calls in even rounds and before them in odd ones:
-        run after, they find the source pages in the CPU cache (the Store run's read-back and their
-        own header making read them just before), which the Store's set did not."""
-        keys = self._bare_round(groups, out) if self.bare and turn % 2 else []
+    def round(self, groups: list[str], out: Times, turn: int = 0) -> list[str]:  # turn: the round (unused)
+        """One timed run; the Mooncake keys it stored (for removal)."""
         w, r = self.pages(self.src, groups), self.pages(self.dst, groups)
         t, res = _timed(lambda: self.store.page_set([PageTransfer(PoolKind.KV, w, True)]))
-        self._ok(res, PoolKind.KV)
+        self.ok(res, PoolKind.KV)
         out["set"].append(t)
         t, res = _timed(lambda: self.store.page_get([PageTransfer(PoolKind.KV, r, True)]))
-        self._ok(res[0], PoolKind.KV)
+        self.ok(res[0], PoolKind.KV)
         out["get"].append(t)
-        self._read_back()
+        self.read_back()
         # existence as the controller asks it: target and draft keys of the prefix in one call
         # (two keys per page, like the baseline's K and V objects); draft pages stored untimed
         d = self.pages(self.src, groups, self.draft_ns)
-        self._ok(self.store.page_set([PageTransfer(PoolKind.DRAFT, d, True)]), PoolKind.DRAFT)
+        self.ok(self.store.page_set([PageTransfer(PoolKind.DRAFT, d, True)]), PoolKind.DRAFT)
         query = {PoolKind.KV: [p.key for p in w], PoolKind.DRAFT: [p.key for p in d]}
         t, n = _timed(lambda: self.store.page_exists(query))
         self.checks.expect("existence found every page", n == {PoolKind.KV: len(w), PoolKind.DRAFT: len(d)},
                            self.name)
         out["exist"].append(t / (len(w) + len(d)))
-        keys += [self.backend.key(p) for p in (*w, *d)]
-        if self.bare and not turn % 2:
-            keys += self._bare_round(groups, out)
-        return keys
+        return [self.backend.key(p) for p in (*w, *d)]
 
-    def _bare_round(self, groups: list[str], out: Times) -> list[str]:
-        """The backend's hooks alone, as the Store hands them pages (headers made, timed apart)."""
-        ns = secrets.token_hex(12)  # fresh keys: the Store run's pages exist already
-        src = [PageTransfer(PoolKind.KV, self.pages(self.src, groups, ns), True)]  # made untimed, as round's
-        t, w = _timed(lambda: self.store.attach_headers(src, made=True))
+
+class _BareHooks:
+    """The backend's own hooks of a plugin's Store (same backend, client and pools), handed pages
+    as the Store hands them: headers made and timed apart (``header``), nothing verified. A
+    variant of its own, so that its calls, like the Store's, follow a baseline run of their own."""
+
+    def __init__(self, plugin: _Plugin) -> None:
+        self.plugin = plugin
+        self.name = f"{plugin.name}, bare hooks"
+
+    @property
+    def backend(self) -> Any:  # noqa: ANN401 (the MooncakeBackend)
+        return self.plugin.backend
+
+    def round(self, groups: list[str], out: Times, turn: int = 0) -> list[str]:  # turn: the round (unused)
+        p = self.plugin
+        store, backend = p.store, p.backend
+        ns = secrets.token_hex(12)  # fresh keys, as every run's
+        src = [PageTransfer(PoolKind.KV, p.pages(p.src, groups, ns), True)]  # made untimed, as the Store's
+        t, w = _timed(lambda: store.attach_headers(src, made=True))
         out["header"].append(t)
-        r = self.store.attach_headers([PageTransfer(PoolKind.KV, self.pages(self.dst, groups, ns), True)], made=False)
-        deadline = time.monotonic() + self.store.timeout_s
-        t, res = _timed(lambda: self.backend.page_set(w, deadline))
-        self._ok(res, PoolKind.KV)
-        out["bare set"].append(t)
-        t, res = _timed(lambda: self.backend.page_get(r, deadline))
-        self._ok(res, PoolKind.KV)
-        out["bare get"].append(t)
-        self._read_back()
-        return [self.backend.key(p) for p in w[0].pages]
+        r = store.attach_headers([PageTransfer(PoolKind.KV, p.pages(p.dst, groups, ns), True)], made=False)
+        deadline = time.monotonic() + store.timeout_s
+        t, res = _timed(lambda: backend.page_set(w, deadline))
+        p.ok(res, PoolKind.KV)
+        out["set"].append(t)
+        t, res = _timed(lambda: backend.page_get(r, deadline))
+        p.ok(res, PoolKind.KV)
+        out["get"].append(t)
+        p.read_back()
+        return [backend.key(page) for page in w[0].pages]
 
 
 NATIVE = {  # row label: Mooncake objects per page
@@ -433,8 +445,7 @@ def _med(xs: list[float]) -> float:
 class _Result:
     """One variant's runs in one case: raw times, and per round its times over its paired baseline."""
 
-    times: Times = field(default_factory=lambda: {m: [] for m in (*MEASURES, "base exist", "header", "bare set",
-                                                                     "bare get")})
+    times: Times = field(default_factory=lambda: {m: [] for m in (*MEASURES, "base exist", "header")})
     rel: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MEASURES})
 
 
@@ -474,13 +485,13 @@ def run_case(
         if mode == "tcp":
             opts = svc.backend_options()
             staged = tcp_opts.staged_max_page_bytes >= page  # what auto picks
-            plugins = [_Plugin(f"plugin {m}", {**opts, "io_mode": m}, spec, pages, data, checks,
-                               bare=(m == "staged") == staged) for m in ("staged", "direct")]
+            plugins = [_Plugin(f"plugin {m}", {**opts, "io_mode": m}, spec, pages, data, checks)
+                       for m in ("staged", "direct")]
             native_pools = pools()
             native_clients = [client() for _ in NATIVE]
         else:
             opts = {**svc.backend_options(shm=True), "shm_pool_size": 5 * pages * (page + HEADER_SIZE) + (64 << 20)}
-            plugins = [_Plugin("plugin", opts, spec, pages, data, checks, bare=True)]
+            plugins = [_Plugin("plugin", opts, spec, pages, data, checks)]
             staged = False
             native_pools = (plugins[0].src, plugins[0].dst)
             native_clients = [plugins[0].backend.native] * len(NATIVE)  # one shm client per process and holder
@@ -517,7 +528,10 @@ def run_case(
         for v in [*plugins, *natives]:
             ref[v.name] = base if mode == "shm" else _Baseline(
                 "baseline", v.backend.native if isinstance(v, _Plugin) else v.client, bpools, cfg, checks, held)
-        variants: list[Any] = [control, *plugins, *natives]
+        auto = plugins[1] if mode == "tcp" and not staged else plugins[0]
+        bare = _BareHooks(auto)  # right after the variant auto picks; on its client, with its reference
+        ref[bare.name] = ref[auto.name]
+        variants: list[Any] = [control, *(x for p in plugins for x in ((p, bare) if p is auto else (p,))), *natives]
         res: dict[str, _Result] = {v.name: _Result() for v in (base, *variants)}
         for n in range(rounds):
             groups = [secrets.token_hex(32) for _ in range(pages)]
@@ -535,7 +549,7 @@ def run_case(
                 for m in MEASURES:
                     if len(r.times[m]) == n + 1:
                         r.rel[m].append(r.times[m][-1] / ((pair[0][m][0] + pair[1][m][0]) / 2))
-        return _rows(mode, page, pages, res, plugins, staged)
+        return _rows(mode, page, pages, res, auto.name, staged)
     finally:
         for c, ptr, _ in held:
             if c is not None:
@@ -546,10 +560,10 @@ def run_case(
             c.close()
 
 
-def _rows(mode: str, page: int, pages: int, res: dict[str, _Result], plugins: list[_Plugin],
-          staged: bool) -> list[Row]:
+def _rows(mode: str, page: int, pages: int, res: dict[str, _Result], auto: str, staged: bool) -> list[Row]:
     """Rows (GB/s from median seconds, ratios as medians of per-round ratios) and the cost
-    breakdown on the row of the variant ``auto`` picks (ms per batch)."""
+    breakdown on the row of the variant ``auto`` picks (ms per batch; its bare hooks are the
+    variant named ``f"{auto}, bare hooks"``)."""
     total = pages * page
     b = res["baseline"].times
     base_ms = {m: 1e3 * _med(b[m]) for m in MEASURES}
@@ -565,25 +579,21 @@ def _rows(mode: str, page: int, pages: int, res: dict[str, _Result], plugins: li
         """ms per batch that variant ``a`` spends over ``b_`` on ``m`` (paired, normalised)."""
         return base_ms[m] * _med([x - y for x, y in zip(res[a].rel[m], res[b_].rel[m], strict=True)])
 
-    def diff(a: list[float], b_: list[float]) -> float:
-        return 1e3 * _med([x - y for x, y in zip(a, b_, strict=True)])
-
     rows = [row("baseline", _med(b["set"]), _med(b["get"]), None, _med(b["exist"]))]
-    names = [n for n in res if n != "baseline"]
-    for name in names:
+    bare = f"{auto}, bare hooks"
+    for name in (n for n in res if n != "baseline"):
         r = res[name]
         t = r.times
-        p = next((x for x in plugins if x.name == name), None)
         costs = None
-        if p is not None and p.bare:
+        if name == auto:
             own = "native: one slot per page" if staged else "native: header slot + buffers"
             hb, kv = "native: header slot + buffers", "native: K/V objects, no exist"
             costs = {
-                "core header": 1e3 * _med(t["header"]),
+                "core header": 1e3 * _med(res[bare].times["header"]),
                 # the Store's set over the bare hooks given ready headers: its hop, plus whatever of the
                 # headers it makes on demand (headers_on_demand) does not hide behind the transfer
-                "store over bare set": diff(t["set"], t["bare set"]),
-                "core verify": diff(t["get"], t["bare get"]),
+                "store over bare set": cost(name, bare, "set"),
+                "core verify": cost(name, bare, "get"),
                 "exist": 1e3 * _med(b["base exist"]),
                 "one object vs K/V set": cost(hb, kv, "set"),
                 "one object vs K/V get": cost(hb, kv, "get"),
@@ -591,20 +601,13 @@ def _rows(mode: str, page: int, pages: int, res: dict[str, _Result], plugins: li
                 "header slot get": cost(hb, "native: buffers, no header slot", "get"),
                 "16 MiB calls set": cost("native: same, 16 MiB calls", hb, "set"),
                 "16 MiB calls get": cost("native: same, 16 MiB calls", hb, "get"),
-                # the bare hooks run right after the Store run, so they share its baseline pair
-                "backend set": base_ms["set"] * _med([bs / s * x - y for bs, s, x, y in zip(
-                    t["bare set"], t["set"], r.rel["set"], res[own].rel["set"], strict=True)]),
-                "backend get": base_ms["get"] * _med([bg / g * x - y for bg, g, x, y in zip(
-                    t["bare get"], t["get"], r.rel["get"], res[own].rel["get"], strict=True)]),
+                "backend set": cost(bare, own, "set"),
+                "backend get": cost(bare, own, "get"),
                 "baseline set": base_ms["set"],
                 "baseline get": base_ms["get"],
             }
         exist = _med(t["exist"]) if t["exist"] else None
         rows.append(row(name, _med(t["set"]), _med(t["get"]), r.rel, exist, costs))
-        if p is not None and p.bare:
-            bare_rel = {m: [bt / st * x for bt, st, x in zip(t[f"bare {m}"], t[m], r.rel[m], strict=True)]
-                        for m in ("set", "get")}
-            rows.append(row(f"{name}, bare hooks", _med(t["bare set"]), _med(t["bare get"]), bare_rel))
     return rows
 
 

@@ -117,6 +117,59 @@ def test_bench_quick_prints_every_ratio_and_goal_and_its_checks_hold():
     assert [(g["mode"], g["page_bytes"]) for g in goals] == [c for c in cases for _ in range(2)]
 
 
+@pytest.mark.parametrize("mode", ["tcp", "shm"])
+def test_bench_times_the_bare_hooks_in_a_turn_of_their_own_after_their_own_baseline(mooncake_service, monkeypatch,
+                                                                                   mode):
+    """The Store's calls and the backend's bare hooks are compared in like positions: each in a turn
+    of its own, right after a baseline run on its reference (an earlier bench ran the hooks inside
+    the Store's turn, alternately before and after its calls, and so compared unlike positions)."""
+    from hicache_draft_mooncake import bench as b
+    from hicache_draft_mooncake.backend import MooncakeBackend
+
+    events: list[tuple[str, object]] = []
+    for cls, what in ((b._Baseline, "baseline"), (b._Native, "native")):
+        def logged(self, groups, out, turn=0, _orig=cls.round, _what=what):
+            events.append((_what, self.client))
+            return _orig(self, groups, out, turn)
+        monkeypatch.setattr(cls, "round", logged)
+    store_set = Store.page_set
+
+    def logged_store_set(self, transfers, *args, **kwargs):
+        events.append(("store set", self.backend.native))
+        return store_set(self, transfers, *args, **kwargs)
+
+    hook_set = MooncakeBackend.page_set
+
+    def logged_hook_set(self, transfers, deadline, make_headers=None):
+        if make_headers is None:  # not through a Store: the bare hooks
+            events.append(("bare set", self.native))
+        return hook_set(self, transfers, deadline, make_headers)
+
+    monkeypatch.setattr(Store, "page_set", logged_store_set)
+    monkeypatch.setattr(MooncakeBackend, "page_set", logged_hook_set)
+    rounds = 3
+    rows = b.run_case(mooncake_service, mode, 64 << 10, 4, rounds, b.Checks(), warm=False)
+    auto = "plugin" if mode == "shm" else "plugin staged"
+    assert [r.variant for r in rows].count(f"{auto}, bare hooks") == 1
+    # cut the log into turns: a turn is what runs between a variant's baseline before and after it
+    turns, cur = [], []
+    for what, client in events:
+        if what == "baseline":
+            if cur:
+                turns.append(cur)
+            cur = [(what, client)]
+        else:
+            cur.append((what, client))
+    bare_turns = [t for t in turns if any(w == "bare set" for w, _ in t)]
+    store_turns = [t for t in turns if any(w == "store set" for w, _ in t)]
+    assert len(bare_turns) == rounds  # one turn per round, never inside the Store's turns
+    assert not [t for t in bare_turns if any(w == "store set" for w, _ in t)]
+    assert len(store_turns) >= rounds
+    if mode == "tcp":  # the bare hooks follow a baseline run on their own client, as the Store's calls do
+        for t in bare_turns:
+            assert t[0][0] == "baseline" and t[0][1] is t[1][1]
+
+
 def test_bench_exits_1_and_names_a_broken_check(monkeypatch):
     from hicache_draft_mooncake import bench as b
 

@@ -1443,6 +1443,28 @@ fail:
 
 static PyObject *team_helped(PyObject *self, PyObject *unused) { return PyLong_FromLongLong(hcd_team_helped()); }
 
+static PyObject *team_spin(PyObject *self, PyObject *args) {
+    long long ns = -1;
+    if (!PyArg_ParseTuple(args, "|L:team_spin", &ns)) return NULL;
+    long long was = hcd_team_spin_ns();
+    if (ns >= 0) hcd_team_spin(ns);
+    return PyLong_FromLongLong(was);
+}
+
+static PyObject *team_expect(PyObject *self, PyObject *args) {
+    int threads;
+    if (!PyArg_ParseTuple(args, "i:team_expect", &threads)) return NULL;
+    hcd_team_expect(threads);
+    Py_RETURN_NONE;
+}
+
+static PyObject *team_unexpect(PyObject *self, PyObject *unused) {
+    hcd_team_unexpect();
+    Py_RETURN_NONE;
+}
+
+static PyObject *team_expecting(PyObject *self, PyObject *unused) { return PyLong_FromLong(hcd_team_expecting()); }
+
 /* ---- pages with headers ------------------------------------------------------------------- */
 
 /* The fields of slotted (frozen) dataclass instances are set through their member descriptors'
@@ -2035,6 +2057,14 @@ static PyMethodDef methods[] = {
      "mark_runs(runs, pages, slots, mark, codes, writes=False) -> [(fd, offset, pages, codes), ...]: every (pool, index) of "
      "runs (fd, offset, pairs) marked read by setting its slot to mark (ValueError, nothing left marked, for a "
      "page not in the call or already marked); each run's Page objects and pool code(s) ready for read_runs."},
+    {"team_spin", team_spin, METH_VARARGS,
+     "team_spin(ns=-1) -> the previous setting; sets how long a helper thread that finished a piece stays awake for "
+     "the next shared call (0: it sleeps at once; -1: only asks)"},
+    {"team_expect", team_expect, METH_VARARGS,
+     "team_expect(threads) -> None: a shared call of up to `threads` is about to start: wake up to threads - 1 "
+     "sleeping helpers, which stay awake (at most 2 ms) until it starts or team_unexpect()"},
+    {"team_unexpect", team_unexpect, METH_NOARGS, "team_unexpect() -> None: ends one team_expect"},
+    {"team_expecting", team_expecting, METH_NOARGS, "team_expecting() -> team_expect calls not yet ended (tests)"},
     {"team_helped", team_helped, METH_NOARGS,
      "team_helped() -> how many times a helper thread took part in a shared call (read_runs, pack_headers, "
      "mismatches; tests)."},

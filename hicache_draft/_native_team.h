@@ -19,5 +19,14 @@ void hcd_team_run(hcd_work work, void *ctx, ptrdiff_t n, int threads);
 void hcd_team_run_first(hcd_work work, void *ctx, ptrdiff_t n, int threads, void (*first)(void *), void *first_ctx);
 /* Helpers that have taken part in a team since the module loaded (tests, benchmarks). */
 long long hcd_team_helped(void);
+/* How long (ns) a helper that finished a piece stays awake for the next team (0: it sleeps at once). */
+void hcd_team_spin(long long ns);
+long long hcd_team_spin_ns(void);
+/* A team of up to `threads` is about to be posted: wake up to threads - 1 sleeping helpers now; they
+ * stay awake (bounded) until it is posted or hcd_team_unexpect. Every expect needs one unexpect. */
+void hcd_team_expect(int threads);
+void hcd_team_unexpect(void);
+/* Expectations not yet ended (tests). */
+int hcd_team_expecting(void);
 
 #endif

@@ -1,0 +1,210 @@
+"""The core's compiled helper threads: woken ahead of a call that will share work with them, awake
+for a bounded while after their work, asleep otherwise (they must not burn a core for nothing).
+
+CPU is measured with ``time.process_time`` (this process only: other load on the machine does not
+count), over windows long against the bounds (2 ms for a caller's expectation; ``team_spin``)."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from typing import ClassVar
+
+import pytest
+
+from hicache_draft import Capabilities, PageResult, PageTransfer, PoolKind, Store, _native
+from hicache_draft.backend import BackendContext
+from hicache_draft.testing import MemoryBackend
+from hicache_draft.transfer import Buffer, Page
+
+KV = PoolKind.KV
+
+
+@pytest.fixture
+def spin() -> Iterator[None]:
+    """Restore the process's helper setting after a test that changes it."""
+    was = _native.team_spin()
+    yield
+    _native.team_spin(was)
+    assert _native.team_expecting() == 0
+
+
+def _team(threads: int = 2, nbytes: int = 1 << 16) -> None:
+    """One shared call (copy_regions, one region of ``nbytes`` per thread)."""
+    src = [bytearray(secrets.token_bytes(nbytes)) for _ in range(threads)]
+    dst = [bytearray(nbytes) for _ in range(threads)]
+    _native.copy_regions([Buffer.of(d).ptr for d in dst], [Buffer.of(s).ptr for s in src], nbytes, threads)
+    assert dst == src
+
+
+def _helped_team() -> None:
+    """A shared call long enough that a helper takes a piece of it (a sleeping thread wakes in
+    tens of microseconds, on a VM up to milliseconds: the calling thread alone would finish a short
+    call first)."""
+    for _ in range(20):
+        before = _native.team_helped()
+        _team(2, 32 << 20)
+        if _native.team_helped() > before:
+            return
+    raise AssertionError("no helper took part in 20 calls of 2 x 32 MiB copies")
+
+
+def _cpu_over(seconds: float) -> float:
+    """CPU seconds this process used while its calling thread slept ``seconds``."""
+    t0 = time.process_time()
+    time.sleep(seconds)
+    return time.process_time() - t0
+
+
+def test_team_spin_is_a_setting_that_answers_what_it_was(spin):
+    _native.team_spin(123_000)
+    assert _native.team_spin() == 123_000
+    assert _native.team_spin(0) == 123_000
+    assert _native.team_spin(-1) == 0  # -1 only asks
+    assert _native.team_spin() == 0
+
+
+def test_helpers_woken_ahead_are_awake_while_expected_and_sleep_once_it_ends(spin):
+    _native.team_spin(0)
+    _team()  # a helper exists and sleeps
+    seen = []
+    for _ in range(5):  # a loaded machine may keep a woken thread off the CPU for a while
+        time.sleep(0.05)
+        _native.team_expect(2)
+        try:
+            awake = _cpu_over(0.05)  # woken (on a VM within milliseconds), the helper spins up to 2 ms
+        finally:
+            _native.team_unexpect()
+        seen.append(awake)
+        if awake >= 0.001:
+            break
+    asleep = _cpu_over(0.2)
+    assert max(seen) >= 0.001, f"no helper was woken ahead: {[round(x * 1e3, 2) for x in seen]} ms of CPU in 50 ms"
+    assert asleep < 0.02, f"helpers kept a core busy after the expectation ended: {asleep * 1e3:.1f} ms in 200 ms"
+
+
+def test_an_expectation_never_ended_holds_helpers_awake_only_within_its_bound(spin):
+    _native.team_spin(0)
+    _team()
+    time.sleep(0.05)
+    _native.team_expect(2)
+    try:
+        time.sleep(0.01)  # past the 2 ms bound
+        cpu = _cpu_over(0.2)
+    finally:
+        _native.team_unexpect()
+    assert cpu < 0.02, f"a forgotten expectation kept helpers awake: {cpu * 1e3:.1f} ms of CPU in 200 ms"
+
+
+def test_a_helper_stays_awake_after_its_work_for_team_spin_then_sleeps(spin):
+    _native.team_spin(int(0.1e9))  # 100 ms
+    _helped_team()
+    awake = _cpu_over(0.05)
+    time.sleep(0.1)
+    asleep = _cpu_over(0.2)
+    assert awake >= 0.02, f"the helper slept at once: {awake * 1e3:.1f} ms of CPU in 50 ms"
+    assert asleep < 0.02, f"the helper stayed awake past team_spin: {asleep * 1e3:.1f} ms in 200 ms"
+    _native.team_spin(0)
+    _helped_team()
+    cpu = _cpu_over(0.1)
+    assert cpu < 0.01, f"team_spin 0 and still awake: {cpu * 1e3:.1f} ms in 100 ms"
+
+
+def test_shared_calls_stay_exact_while_helpers_are_woken_ahead_and_spin(spin):
+    """Many threads post teams while others expect and end expectations: every copy exact."""
+    _native.team_spin(200_000)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            for i in range(200):
+                if (seed + i) % 3 == 0:
+                    _native.team_expect(4)
+                    try:
+                        _team(4)
+                    finally:
+                        _native.team_unexpect()
+                else:
+                    _team(1 + (seed + i) % 4)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+
+
+class _Records(MemoryBackend):
+    """A backend that declares the core's records (the file backend's capability): the Store wakes
+    every helper ahead of its calls. Its page_get can raise or outlive the call's deadline."""
+
+    capabilities: ClassVar[Capabilities] = MemoryBackend.capabilities.model_copy(update={"writes_records": True})
+    behave: ClassVar[str] = "ok"
+
+    def page_get(self, transfers, deadline, finished=None, read_records=None, read_runs=None):  # noqa: ANN001
+        if type(self).behave == "raises":
+            raise OSError("injected")
+        if type(self).behave == "late":
+            time.sleep(0.3)
+        return {t.pool: [PageResult.MISS] * len(t.pages) for t in transfers}
+
+
+def _get(store: Store, n: int = 4) -> None:
+    buf = bytearray(4096 * n)
+    whole = Buffer.of(buf)
+    pages = [Page(secrets.token_hex(32), secrets.token_hex(32), "ns",
+                  (Buffer(whole.ptr + i * 4096, 4096, owner=whole),)) for i in range(n)]
+    store.page_get([PageTransfer(KV, pages)])
+
+
+@pytest.mark.parametrize("behave", ["ok", "raises", "late"])
+def test_the_store_wakes_helpers_ahead_of_a_records_backend_and_always_ends_it(monkeypatch, spin, behave):
+    calls: list[object] = []
+    expect, unexpect = _native.team_expect, _native.team_unexpect
+    monkeypatch.setattr(_native, "team_expect", lambda n: (calls.append(n), expect(n))[1])
+    monkeypatch.setattr(_native, "team_unexpect", lambda: (calls.append("end"), unexpect())[1])
+    backend = type("R", (_Records,), {"behave": behave})
+    store = Store("records", backend, backend.capabilities, {"space": secrets.token_hex(4)},
+                  BackendContext(timeout_s=0.1))
+    try:
+        _get(store)
+        assert _native.team_expecting() == 0  # ended when the call returned, even raised or timed out
+        assert len(calls) == 2 and calls[1] == "end" and isinstance(calls[0], int) and calls[0] > 1
+    finally:
+        store.close()
+
+
+def test_the_store_wakes_no_helper_for_a_small_get_of_another_backend_or_with_polling_off(monkeypatch, spin):
+    calls: list[object] = []
+    monkeypatch.setattr(_native, "team_expect", lambda n: calls.append(n))
+    monkeypatch.setattr(_native, "team_unexpect", lambda: calls.append("end"))
+    plain = Store("memory", MemoryBackend, MemoryBackend.capabilities, {"space": secrets.token_hex(4)})
+    off = Store("records", _Records, _Records.capabilities, {"space": secrets.token_hex(4)}, poll_s=0.0)
+    try:
+        _get(plain)  # 16 KiB: verified in the calling thread
+        _get(off)  # a host short of CPU (handover_poll_us 0): nothing is woken ahead
+    finally:
+        plain.close()
+        off.close()
+    assert calls == []
+
+
+def test_a_store_keeps_helpers_awake_a_while_after_their_work_unless_it_polls_nothing(spin):
+    from hicache_draft.store import _HELPERS_AWAKE_S
+
+    _native.team_spin(0)
+    quiet = Store("memory", MemoryBackend, MemoryBackend.capabilities, {"space": secrets.token_hex(4)}, poll_s=0.0)
+    quiet.close()
+    assert _native.team_spin() == 0  # a host short of CPU: nothing spins
+    store = Store("memory", MemoryBackend, MemoryBackend.capabilities, {"space": secrets.token_hex(4)})
+    store.close()
+    assert _native.team_spin() == int(_HELPERS_AWAKE_S * 1e9)
+    longer = Store("memory", MemoryBackend, MemoryBackend.capabilities, {"space": secrets.token_hex(4)}, poll_s=0.005)
+    longer.close()
+    assert _native.team_spin() == 5_000_000  # the longest of the process's stores

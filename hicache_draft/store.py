@@ -261,7 +261,7 @@ class Store:
             kwargs["write_records"] = writer.write_records if isinstance(writer, _RecordWriter) else None
             kwargs["write_runs"] = writer.write_runs if isinstance(writer, _RecordWriter) else None
             kwargs["make_headers"] = writer.make_headers if isinstance(writer, _HeaderMaker) else None
-        helpers = self._helpers_for(hook, transfers)
+        helpers = self._helpers_for(transfers)
         if helpers > 1:  # woken now, so they are running when the backend hands its runs over
             _native.team_expect(helpers)
             try:
@@ -281,18 +281,15 @@ class Store:
             early.settle(got)
         return "ok", got, fut, transfers
 
-    def _helpers_for(self, hook: str, transfers: Sequence[PageTransfer]) -> int:
-        """Threads of the core's that a ``hook`` call of ``transfers`` will likely share work with
-        after the backend's own preparation (1: none to wake ahead of it): a backend that keeps the
-        core's records (``writes_records``) hands the core its runs to read or write on up to every
-        thread; any other's pages are verified after a get with threads by their bytes."""
-        if not self._wake_helpers:
+    def _helpers_for(self, transfers: Sequence[PageTransfer]) -> int:
+        """Threads of the core's to wake as a call of ``transfers`` starts (1: none). A
+        backend that keeps the core's records (``writes_records``) hands the core its runs to read
+        or write on up to every thread once it has planned them (a fraction of a millisecond); any
+        other backend's pages are checked while or after they move, too late for helpers woken now
+        to still be waiting (they wait at most 2 ms), so none are."""
+        if not self._wake_helpers or not self.capabilities.writes_records or not transfers:
             return 1
-        if self.capabilities.writes_records:
-            return _VERIFY_WORKERS
-        if hook != "page_get":
-            return 1
-        return _threads_for(sum(p.nbytes for t in transfers for p in t.pages))
+        return _VERIFY_WORKERS
 
     def _results(
         self, hook: str, status: str, value: Any, transfers: Sequence[PageTransfer]  # noqa: ANN401

@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +142,27 @@ class ManagedProcess:
             self.popen.wait(timeout=STOP_TIMEOUT_S)
 
 
+_DUPLICATE_NAME = re.compile(r"PUT (http://\S+) http=400 body: Duplicate rpc_meta key not allowed")
+
+
+def stale_name(log: str, metadata_server: str) -> str | None:
+    """The metadata URL a holder's log says it could not claim because a dead holder's name holds
+    it (the last such line), if that URL is on ``metadata_server``; else None."""
+    found = _DUPLICATE_NAME.findall(log)
+    if not found or not found[-1].startswith(metadata_server + "?"):
+        return None
+    return found[-1]
+
+
+def remove_name(url: str) -> bool:
+    """DELETE one name from the metadata server (bounded); whether it is gone."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=5) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def _start(name: str, argv: list[str], workdir: Path, env: dict[str, str]) -> ManagedProcess:
     log_path = workdir / f"{name}.log"
     log_file = open(log_path, "ab")  # noqa: SIM115 (closed by ManagedProcess.stop)
@@ -258,7 +282,13 @@ class MooncakeService:
         _wait_listening(self.master, [self.rpc_port, self.http_port], timeout_s)
 
     def start_holder(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """(Re)start the ``mooncake_client`` segment holder."""
+        """(Re)start the ``mooncake_client`` segment holder.
+
+        A holder that was killed (SIGKILL: it never took its name back) leaves its transfer
+        engine's address in the metadata server, and a new holder whose engine happens to get the
+        same port then refuses to start ("Duplicate rpc_meta key not allowed"). That name is stale
+        (the port is the new holder's now), so it is removed and the start tried again, at most
+        twice (seen once in CI: the restart of a killed holder failed that way)."""
         argv = [
             str(mooncake_binary("mooncake_client")),
             f"--host={HOST}",
@@ -270,9 +300,16 @@ class MooncakeService:
             "--protocol=tcp",
             "--logtostderr=true",
         ]
-        self.holder = _start("mooncake_client", argv, self.workdir, mooncake_env())
-        _wait_listening(self.holder, [self.client_port], timeout_s)
-
+        for attempt in range(3):
+            self.holder = _start("mooncake_client", argv, self.workdir, mooncake_env())
+            try:
+                _wait_listening(self.holder, [self.client_port], timeout_s)
+                return
+            except ServiceError:
+                stale = None if self.holder.alive() else stale_name(self.holder.log_tail(), self.metadata_server)
+                if stale is None or attempt == 2 or not remove_name(stale):
+                    raise
+                self.holder.stop()  # exited: reaped, its log closed
     def stop(self) -> None:
         """Stop the holder, then the master, by pid. Idempotent."""
         for proc in (self.holder, self.master):

@@ -92,6 +92,37 @@ def test_segment_holder_killed_gives_misses_never_stale_data(mooncake_service_fa
         shm.close()
 
 
+def test_a_dead_holders_name_that_blocks_a_restart_is_found_in_the_log_and_removed(mooncake_service):
+    """The restart of a killed holder once failed in CI: its transfer engine got the dead holder's
+    port, whose name the metadata server still held ("Duplicate rpc_meta key not allowed", and the
+    new holder exits). ``start_holder`` finds that name in the new holder's log and removes it
+    before it tries again; a name on another metadata server is never touched."""
+    import urllib.error
+    import urllib.request
+
+    from hicache_draft_mooncake.service import remove_name, stale_name
+
+    base = mooncake_service.metadata_server
+    (port,) = free_ports(1)
+    url = f"{base}?key=mooncake%2Frpc_meta%2F127.0.0.1%3A{port}"
+    put = urllib.request.Request(url, data=b'{"ip_or_host_name":"127.0.0.1","rpc_port":%d}' % port, method="PUT")
+    with urllib.request.urlopen(put, timeout=5) as resp:  # the name a killed holder left behind
+        assert resp.status == 200
+    log = (  # the holder's own lines, as CI logged them, for that name
+        "E1207 20:22:45.609216 24696 transfer_metadata_plugin.cpp:348] PUT "
+        f"{url} http=400 body: Duplicate rpc_meta key not allowed\n"
+        "E1207 20:22:45.609246 24696 transfer_metadata.cpp:1470] Failed to set location of 127.0.0.1:13070\n"
+        "F1207 20:22:45.710145 24696 real_client_main.cpp:134] Failed to setup client: INTERNAL_ERROR\n"
+    )
+    assert stale_name(log, base) == url
+    assert stale_name(log, "http://127.0.0.1:1/metadata") is None
+    assert stale_name("F1207 real_client_main.cpp:134] Failed to setup client: INTERNAL_ERROR", base) is None
+    assert remove_name(url)
+    with pytest.raises(urllib.error.HTTPError) as gone:
+        urllib.request.urlopen(url, timeout=5)
+    assert gone.value.code == 404
+
+
 def test_setup_failure_names_the_master_and_what_to_check():
     (port,) = free_ports(1)
     with pytest.raises(BackendSetupError) as err:

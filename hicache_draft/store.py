@@ -138,7 +138,12 @@ class Store:
         self._observed = bool(self.pm.hook.call_done.get_hookimpls())
         self._hears_rejections = bool(self.pm.hook.page_rejected.get_hookimpls())
         self._workers = Workers(4, f"hicache-draft-{name}", spin_s=poll_s)
-        self._wake_helpers = poll_s > 0  # 0: a host short of CPU, where nothing polls or is woken ahead
+        # helper threads to wake as a call starts (1: none). A backend that keeps the core's records
+        # hands the core its runs to read or write on up to every thread once it has planned them (a
+        # fraction of a millisecond); any other backend's pages are checked while or after they move,
+        # too late for helpers woken now to still be waiting (at most 2 ms). Polling off (0: a host
+        # short of CPU): none.
+        self._helpers_ahead = _VERIFY_WORKERS if poll_s > 0 and capabilities.writes_records else 1
         _helpers_stay_awake(poll_s)
         weakref.finalize(self, self._workers.shutdown)  # an unclosed store's idle threads end with it
         self._lock = threading.Lock()
@@ -261,9 +266,8 @@ class Store:
             kwargs["write_records"] = writer.write_records if isinstance(writer, _RecordWriter) else None
             kwargs["write_runs"] = writer.write_runs if isinstance(writer, _RecordWriter) else None
             kwargs["make_headers"] = writer.make_headers if isinstance(writer, _HeaderMaker) else None
-        helpers = self._helpers_for(transfers)
-        if helpers > 1:  # woken now, so they are running when the backend hands its runs over
-            _native.team_expect(helpers)
+        if self._helpers_ahead > 1:  # woken now, so they are running when the backend hands its runs over
+            _native.team_expect(self._helpers_ahead)
             try:
                 status, value, fut = self._call(hook, kwargs, deadline)
             finally:
@@ -280,16 +284,6 @@ class Store:
         if early is not None:
             early.settle(got)
         return "ok", got, fut, transfers
-
-    def _helpers_for(self, transfers: Sequence[PageTransfer]) -> int:
-        """Threads of the core's to wake as a call of ``transfers`` starts (1: none). A
-        backend that keeps the core's records (``writes_records``) hands the core its runs to read
-        or write on up to every thread once it has planned them (a fraction of a millisecond); any
-        other backend's pages are checked while or after they move, too late for helpers woken now
-        to still be waiting (they wait at most 2 ms), so none are."""
-        if not self._wake_helpers or not self.capabilities.writes_records or not transfers:
-            return 1
-        return _VERIFY_WORKERS
 
     def _results(
         self, hook: str, status: str, value: Any, transfers: Sequence[PageTransfer]  # noqa: ANN401

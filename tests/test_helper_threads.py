@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import pytest
 
-from hicache_draft import Capabilities, PageResult, PageTransfer, PoolKind, Store, _native
+from hicache_draft import Capabilities, PageResult, PageTransfer, PoolKind, Store, _native, hookimpl
 from hicache_draft.backend import BackendContext
 from hicache_draft.testing import MemoryBackend
 from hicache_draft.transfer import Buffer, Page
@@ -163,7 +163,8 @@ class _Records(MemoryBackend):
     capabilities: ClassVar[Capabilities] = MemoryBackend.capabilities.model_copy(update={"writes_records": True})
     behave: ClassVar[str] = "ok"
 
-    def page_get(self, transfers, deadline, finished=None, read_records=None, read_runs=None):  # noqa: ANN001
+    @hookimpl
+    def page_get(self, transfers):  # noqa: ANN001
         if type(self).behave == "raises":
             raise OSError("injected")
         if type(self).behave == "late":
@@ -171,12 +172,13 @@ class _Records(MemoryBackend):
         return {t.pool: [PageResult.MISS] * len(t.pages) for t in transfers}
 
 
-def _get(store: Store, n: int = 4) -> None:
+def _get(store: Store, n: int = 4) -> list[PageResult]:
     buf = bytearray(4096 * n)
     whole = Buffer.of(buf)
     pages = [Page(secrets.token_hex(32), secrets.token_hex(32), "ns",
                   (Buffer(whole.ptr + i * 4096, 4096, owner=whole),)) for i in range(n)]
-    store.page_get([PageTransfer(KV, pages)])
+    got, _ = store.page_get([PageTransfer(KV, pages)])
+    return got[KV]
 
 
 @pytest.mark.parametrize("behave", ["ok", "raises", "late"])
@@ -189,7 +191,12 @@ def test_the_store_wakes_helpers_ahead_of_a_records_backend_and_always_ends_it(m
     store = Store("records", backend, backend.capabilities, {"space": secrets.token_hex(4)},
                   BackendContext(timeout_s=0.1))
     try:
-        _get(store)
+        t0 = time.monotonic()
+        got = _get(store)
+        took = time.monotonic() - t0
+        # the backend's answer (misses) or the core's failures for a call that raised or timed out
+        assert got == [PageResult.MISS if behave == "ok" else PageResult.FAILED] * 4
+        assert behave != "late" or took < 0.25  # returned at the 0.1 s deadline, the hook still asleep
         assert _native.team_expecting() == 0  # ended when the call returned, even raised or timed out
         assert len(calls) == 2 and calls[1] == "end" and isinstance(calls[0], int) and calls[0] > 1
     finally:

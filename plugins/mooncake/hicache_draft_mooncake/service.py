@@ -310,6 +310,7 @@ class MooncakeService:
                 if stale is None or attempt == 2 or not remove_name(stale):
                     raise
                 self.holder.stop()  # exited: reaped, its log closed
+
     def stop(self) -> None:
         """Stop the holder, then the master, by pid. Idempotent."""
         for proc in (self.holder, self.master):

@@ -470,11 +470,21 @@ class Rig:
             time.sleep(0.02)
         raise TimeoutError("prefetch did not complete")
 
-    def threads_alive(self) -> bool:
+    def threads_alive(self, within_s: float = 5.0) -> bool:
+        """Every storage thread of the controller running, within ``within_s``. SGLang's prefetch
+        thread starts its io-aux thread itself, so right after an attach the controller may still
+        name the previous attach's aux thread, ended, until the new prefetch thread gets to run
+        (seen on CI: 0.5.18's detach and reattach); a thread that died stays dead past the wait."""
         ctl = self.controller
         names = ("prefetch_thread", "backup_thread", "prefetch_io_aux_thread", "prefetch_sync_thread")
-        threads = [getattr(ctl, n) for n in names if getattr(ctl, n, None) is not None]
-        return bool(threads) and all(t.is_alive() for t in threads)
+        deadline = time.monotonic() + within_s
+        while True:
+            threads = [getattr(ctl, n) for n in names if getattr(ctl, n, None) is not None]
+            if threads and all(t.is_alive() for t in threads):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
 
     def detach(self) -> None:
         self.controller.detach_storage_backend()

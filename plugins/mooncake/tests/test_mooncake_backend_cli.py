@@ -114,6 +114,9 @@ def test_bench_quick_prints_every_ratio_and_goal_and_its_checks_hold():
             assert g["ceiling_variant"] == ceiling and g["raw_variant"] == "native: K/V objects, no exist"
             assert g["ceiling"] > 0 and g["raw"] > 0 and g["control"] > 0 and g["bare"] > 0
             assert g["plugin_ms"] > 0 and isinstance(g["core_ms"], float)
+            # 8 pages fit one 16 MiB call: that row repeats the direct ceiling's calls (its twin)
+            twin = next(r for r in case if r["variant"] == "native: same, 16 MiB calls")[f"{g['op']}_ratio"]
+            assert g["ceiling_twin"] == (None if auto == "plugin staged" else twin)
     assert [(g["mode"], g["page_bytes"]) for g in goals] == [c for c in cases for _ in range(2)]
 
 

@@ -363,11 +363,16 @@ _SPLIT_BYTES = 16 << 20
 """The call size of the ``same, 16 MiB calls`` row (the batch splitting the plugin did before)."""
 TWIN = "native: same, 16 MiB calls"
 
+
+def _split_step(slot_nbytes: int) -> int:
+    """Pages per native call of the :data:`TWIN` row, for pages of ``slot_nbytes`` (header included)."""
+    return max(1, _SPLIT_BYTES // slot_nbytes)
+
 NATIVE = {  # row label: Mooncake objects per page
     "native: K/V objects, no exist": 2,
     "native: one slot per page": 1,
     "native: header slot + buffers": 1,
-    "native: same, 16 MiB calls": 1,
+    TWIN: 1,
     "native: buffers, no header slot": 1,
 }
 
@@ -402,7 +407,7 @@ class _Native:
             (wp, rp), sizes = self.slots, [self.slot] * len(self.slots[0])
             return (lambda keys: c.batch_put_from(keys, wp, sizes, cfg), lambda keys: c.batch_get_into(keys, rp, sizes))
         (wp, sizes), (rp, _) = self.plain if label == "native: buffers, no header slot" else self.multi
-        step = max(1, _SPLIT_BYTES // self.slot) if label == TWIN else len(wp)
+        step = _split_step(self.slot) if label == TWIN else len(wp)
 
         def put(keys: list[str]) -> list[int]:
             return [rc for a in range(0, len(keys), step)
@@ -612,8 +617,8 @@ def _rows(mode: str, page: int, pages: int, res: dict[str, _Result], auto: str, 
                 "one object vs K/V get": cost(hb, kv, "get"),
                 "header slot set": cost(hb, "native: buffers, no header slot", "set"),
                 "header slot get": cost(hb, "native: buffers, no header slot", "get"),
-                "16 MiB calls set": cost("native: same, 16 MiB calls", hb, "set"),
-                "16 MiB calls get": cost("native: same, 16 MiB calls", hb, "get"),
+                "16 MiB calls set": cost(TWIN, hb, "set"),
+                "16 MiB calls get": cost(TWIN, hb, "get"),
                 "backend set": cost(bare, own, "set"),
                 "backend get": cost(bare, own, "get"),
                 "baseline set": base_ms["set"],
@@ -642,7 +647,7 @@ def goals(rows: list[Row], staged_max_page_bytes: int) -> list[Goal]:
         p, bare = by[name], by[f"{name}, bare hooks"]
         core = p.costs_ms or {}
         # the 16 MiB-calls row makes the ceiling's very calls when the batch fits one of them
-        twin = by[TWIN] if not staged and _SPLIT_BYTES // (page + HEADER_SIZE) >= p.pages else None
+        twin = by[TWIN] if not staged and _split_step(page + HEADER_SIZE) >= p.pages else None
         for op in ("set", "get"):
             gbps = getattr(p, f"{op}_gbps")
             out.append(Goal(mode, page, op, name, getattr(p, f"{op}_ratio"), getattr(p, f"{op}_ratios"), GOALS[mode],

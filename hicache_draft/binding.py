@@ -633,18 +633,27 @@ def query_hit(
     window for this query; else its spec's ``window_pages``). The controller and the SGLang adapter
     both ask through here."""
     query: dict[str, Sequence[str]] = {}
-    trailing = False
+    trailing = parts = False
     for b in bindings:  # plain loops: SGLang asks per request
         if b.active:
             if b.spec.hit_policy is _ALL_PAGES:
                 query[b.name] = keys_of(b, hashes)
+                parts = parts or b.split != 1
             else:
                 trailing = True
     counts = exists(query) if query else {}
-    prefix: dict[str, int] = {}
-    for b in bindings:
-        if b.name in query:
-            prefix[b.name] = counts.get(b.name, 0) // b.split
+    prefix: Mapping[str, int] = counts  # pages stored, when each page is one stored part
+    if parts:
+        prefix = {b.name: counts.get(b.name, 0) // b.split for b in bindings if b.name in query}
+    limit = len(hashes)
+    if not trailing and draft_gates:
+        # usable_hit's rule with no window to ask is its leading part alone: taken here, without
+        # the general call (SGLang asks this per request, and each layer's few tenths of a
+        # microsecond count several times over right after the Store's hop)
+        bounds: dict[str, int] = {}
+        n, _, drafted = _leading(bindings, prefix, limit, limit, bounds)
+        pages = n if n > 0 else 0
+        return _new_hit(Hit, (pages, pages if drafted else 0, bounds))
     window_stored = _never_asked
     if trailing:
 
@@ -653,7 +662,7 @@ def query_hit(
             tail = list(hashes[max(0, end - size) : end])[::-1]  # last page first
             return exists({b.name: keys_of(b, tail)}).get(b.name, 0) // b.split
 
-    return usable_hit(bindings, prefix, window_stored, limit=len(hashes), draft_gates=draft_gates, windows=windows)
+    return usable_hit(bindings, prefix, window_stored, limit=limit, draft_gates=draft_gates, windows=windows)
 
 
 def _never_asked(binding: PoolBinding, end: int) -> int:

@@ -596,35 +596,22 @@ class HiCacheDraftStorage(HiCacheStorage):
         return self._v2("get", transfers)
 
     def _hit(
-        self, hashes: _Hashes, pools: Sequence[tuple[PoolBinding | None, int | None]]
-    ) -> tuple[int, dict[str, int]]:
-        """The usable hit (:func:`usable_hit`) for ``hashes`` over the target KV and ``pools`` (our
-        binding, or None for a pool not held; the trailing window SGLang asks for, or None for
-        ALL_PAGES), with each pool's own boundary. A pool not held gives no hit: its pages could
-        not be restored. One existence query covers every ALL_PAGES pool."""
+        self, hashes: Sequence[str], legacy: PoolBinding | None,
+        keys_of: Callable[[PoolBinding, Sequence[str]], Sequence[str]] | None = None,
+    ) -> int:
+        """The usable hit (:func:`query_hit`) of ``hashes`` over the target KV, and over the legacy
+        draft pool when it is given (:meth:`batch_exists`). ``keys_of``: as :func:`query_hit`'s
+        (``hashes`` are then page groups); by default :meth:`_hash_keys`, which recalls the keys of
+        pages this server moved."""
         kv = self.bindings.get(_KV)
         if kv is None or not kv.active:
-            return 0, {}
-        n = len(hashes.hashes)
-        windows: dict[str, int] = {}
-        held = [kv]
-        missing = False
-        for b, window in pools:
-            if b is None:
-                missing = True
-                continue
-            held.append(b)
-            if b.spec.hit_policy is _TRAILING_PAGES:  # SGLang's all_pages: the whole prefix
-                windows[b.name] = window if window is not None else n
-        hit = query_hit(self.store.page_exists, held, hashes, self._hash_keys, windows=windows)
-        if not pools:
-            return hit.pages, hit.boundaries
-        # as SGLang reports them: each pool's boundary within the target's stored prefix
-        kv_pages = hit.boundaries.get(kv.name, 0)
-        bounds: dict[str, int] = {}
-        for name, pages in hit.boundaries.items():
-            bounds[name] = pages if pages < kv_pages else kv_pages
-        return (0 if missing else hit.pages), bounds
+            return 0
+        held, windows = [kv], {}
+        if legacy is not None:
+            held.append(legacy)
+            if legacy.spec.hit_policy is _TRAILING_PAGES:  # SGLang's all_pages: the whole prefix
+                windows[legacy.name] = len(hashes)
+        return query_hit(self.store.page_exists, held, hashes, keys_of or self._hash_keys, windows=windows).pages
 
     @_never_raise(_no_hit)
     def batch_exists_v2(
@@ -632,25 +619,47 @@ class HiCacheDraftStorage(HiCacheStorage):
     ) -> Any:
         """The usable hit over the target KV and every transfer's pool: ALL_PAGES pools over the
         whole prefix, TRAILING_PAGES pools over their last ``len(transfer.keys)`` pages; a pool
-        we do not hold gives no hit (its pages could not be restored)."""
-        pools: list[tuple[PoolBinding | None, int | None]] = []
-        trailing = False
+        we do not hold gives no hit (its pages could not be restored). Each pool's boundary is
+        reported within the target's stored prefix. (One pass over the transfers and one
+        :func:`query_hit`: SGLang asks this per request, and each layer's few tenths of a
+        microsecond count several times over right after the Store's hop.)"""
+        kv = self.bindings.get(_KV)
+        if kv is None or not kv.active:
+            return transfer_result(0, {}, [])
+        held, windows = [kv], {}
+        missing = trailing = False
         for t in pool_transfers or ():
             policy = t.hit_policy  # SGLang's PoolHitPolicy is a str Enum: compared as it is
             if not isinstance(policy, str):
                 policy = str(getattr(policy, "value", policy))
             if policy == "block_groups":
                 continue  # such a pool reports its own verdict and never gates the KV hit
-            window = max(1, len(t.keys or ())) if policy == _TRAILING_PAGES else None
-            trailing = trailing or window is not None
+            asks_window = policy == _TRAILING_PAGES
+            trailing = trailing or asks_window
             binding = self._binding(t.name)
             if binding is None:
                 self._warn_once(f"hit:{t.name}", "hicache-draft: pool %r is not held, so no prefix is "
                                 "restorable with it: no hit", str(t.name))
-            pools.append((binding, window))
-        final, bounds = self._hit(_Hashes(keys), pools)
+                missing = True
+                continue
+            held.append(binding)
+            if binding.spec.hit_policy is _TRAILING_PAGES:  # SGLang's all_pages: the whole prefix
+                windows[binding.name] = max(1, len(t.keys or ())) if asks_window else len(keys)
+        cache = self.key_caches.get(_KV)
+        try:
+            remembered = bool(cache) and keys[0] in cache
+        except (IndexError, TypeError):  # no pages, or not SGLang's hashes
+            remembered = False
+        if remembered:  # pages this server moved: their storage keys are looked up, not made
+            hit = query_hit(self.store.page_exists, held, _Hashes(keys), self._hash_keys, windows=windows)
+        else:  # another server's pages: keys made as the controller makes them
+            hit = query_hit(self.store.page_exists, held, page_groups(keys), PoolBinding.keys, windows=windows)
+        final = 0 if missing else hit.pages
+        kv_pages = hit.boundaries.get(kv.name, 0)
         hit_count: dict[Any, int] = {}
-        for name, pages in bounds.items():
+        for name, pages in hit.boundaries.items():
+            if pages > kv_pages:
+                pages = kv_pages
             if pages:
                 hit_count[_POOL_NAMES.get(name, name)] = pages
         # every all_pages prefix up to the hit is restorable; with trailing pools only the hit
@@ -669,21 +678,20 @@ class HiCacheDraftStorage(HiCacheStorage):
             return 0
         draft = self.bindings.get(_DRAFT)
         legacy = self._legacy_draft if draft is not None else None
-        target = [(legacy, None)] if legacy else []
         hashes = _Hashes(keys)
         kv = self.bindings.get(_KV)
         if kv is not None and self._recall(kv, hashes) is not None:  # hashes this server moved: lowercase hex
             hashes._groups, hashes._own = keys, True
-            return self._hit(hashes, target)[0]
+            return self._hit(hashes, legacy)
+        # pages another server moved: their keys made as the controller makes them
         if hashes.own:  # SGLang's hit query: target page hashes, each its own group
-            hashes._groups = keys
-            return self._hit(hashes, target)[0]
+            return self._hit(keys, legacy, PoolBinding.keys)
         try:
             joined = "".join(keys)
         except TypeError:
             joined = "."
         if "." not in joined:  # target pages under other hashes
-            return self._hit(_Hashes(keys), target)[0]
+            return self._hit(page_groups(keys), legacy, PoolBinding.keys)
         names, groups = split_generic_keys(keys)
         if len(set(names)) != 1:
             for i, k in enumerate(keys):

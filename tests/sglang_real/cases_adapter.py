@@ -420,6 +420,43 @@ def test_a_hit_query_after_a_write_builds_no_keys_and_suffixed_keys_are_not_reme
     assert adapter.batch_exists(keys[:1]) == 1
 
 
+def test_a_v2_hit_query_recalls_the_keys_of_pages_this_server_moved_and_makes_any_others(monkeypatch):
+    """``batch_exists_v2`` asks its key cache once, by the batch's first hash: a batch this server
+    moved is answered from the remembered keys (no page group is made), one another server stored is
+    answered from keys made as the controller makes them (``page_groups``, then each binding's keys),
+    and one that starts with pages this server moved and goes on with another server's is answered
+    right too (the recall finds part of it, so every pool's keys are made from the hashes)."""
+    space = {"space": secrets.token_hex(4)}
+    mine = attach(build(extra_config("memory", space)), mha(seed=1), mha(layers=1, seed=2))
+    other = attach(build(extra_config("memory", space)), mha(seed=3), mha(layers=1, seed=4))
+    keys = hashes(4, salt=61)
+    store_pages(mine, keys, [0, 1], [0, 1])  # this server: pages 0 and 1 of both pools
+    store_pages(other, keys, [2, 3], [2, 3])  # another server on the same store: pages 2 and 3
+    assert set(mine.key_caches[PoolKind.KV]) == set(keys[:2])
+    made = []
+    real = adapter_mod.page_groups
+
+    def counted(batch):
+        made.append(list(batch))
+        return real(batch)
+
+    monkeypatch.setattr(adapter_mod, "page_groups", counted)
+    draft = [draft_transfer(None, None)]
+    for adapter, batch, groups_made in ((mine, keys[:2], []), (mine, keys, []), (other, keys[:2], [keys[:2]])):
+        made.clear()
+        hit = adapter.batch_exists_v2(batch, draft)
+        n = len(batch)
+        assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (n, {PoolName.KV: n, PoolName.DRAFT: n})
+        assert hit.restorable_prefix_pages == list(range(1, n + 1))
+        assert made == groups_made
+    fresh = attach(build(extra_config("memory", space)), mha(), mha(layers=1))  # a restarted server
+    hit = fresh.batch_exists_v2(keys, draft)
+    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (4, {PoolName.KV: 4, PoolName.DRAFT: 4})
+    gap = hashes(2, salt=62)  # a batch whose second page nobody stored
+    store_pages(mine, gap, [0], [0])
+    assert mine.batch_exists_v2(gap, draft).kv_hit_pages == 1 and fresh.batch_exists_v2(gap, draft).kv_hit_pages == 1
+
+
 def test_generic_path_chunks_through_small_staging():
     extra = extra_config("generic-only", {"space": secrets.token_hex(4)}, staging_pages=2)
     kv = mha("layer_first", seed=5)

@@ -233,6 +233,14 @@ class Store:
         ``page_set``, on the store's threads) or zeroed for the backend to fill (``page_get``)."""
         return attach_headers(transfers, made=made, parallel=made)
 
+    def check_pages(self, transfers: Sequence[PageTransfer]) -> list[tuple[str, int, PageFormatError]]:
+        """The pages of ``transfers`` that fail the core's verification, as ``(pool, index,
+        problem)``: the check a ``page_get`` makes before it reports a page restored, made alone on
+        the store's threads (for tools that time or call hooks directly, such as benchmarks: the
+        pages as :meth:`attach_headers` gave them for ``page_get``, once the backend filled them)."""
+        todo = [(t.pool, i, page) for t in transfers for i, page in enumerate(t.pages)]
+        return [(pool, i, exc) for pool, i, _page, exc in self._check(todo)]
+
     def _per_page(
         self, hook: str, transfers: Sequence[PageTransfer], timeout_s: float | None
     ) -> tuple[dict[str, list[PageResult]], Future[Any]]:

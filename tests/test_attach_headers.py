@@ -6,9 +6,11 @@ observe, and that objects which only look like pages still get the same result."
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -291,3 +293,29 @@ def test_compiled_pages_refuse_sequences_of_different_lengths() -> None:
         _native.make_pages(["a.b", "c.d"], ["a", "c"], NS, bufs, Page, _PAGE_FIELDS)
     gc.collect()
     assert sys.getrefcount(NS) <= before + 1  # no reference leaked per page
+
+
+def test_store_check_pages_finds_what_a_get_would_reject(tmp_path: Path) -> None:
+    """``Store.check_pages`` is the core's verification of filled pages made alone (benchmarks time
+    it apart from the backend's call): pages whose headers were made from their bytes pass; a page
+    whose payload changed after, or whose header is another page's, is named with its problem."""
+    from hicache_draft import HeaderProblem, Store
+
+    region = bytearray(range(256)) * 64
+    pages = [PageTransfer(PoolKind.KV, _pages(4, 2, region), True)]
+    store = Store.open("file", {"root": str(tmp_path / "root")})
+    try:
+        made = store.attach_headers(pages, made=True)
+        assert store.check_pages(made) == []
+        first = made[0].pages[0].buffers[1]
+        region[first.ptr - Buffer.of(region).ptr] ^= 0xFF  # one payload byte of page 0 changes
+        other = made[0].pages[3].header
+        head = made[0].pages[2].header
+        assert other is not None and head is not None
+        ctypes.memmove(head.ptr, other.ptr, HEADER_SIZE)  # page 2 carries page 3's header
+        got = store.check_pages(made)
+        assert [(pool, i) for pool, i, _ in got] == [(PoolKind.KV, 0), (PoolKind.KV, 2)]
+        assert got[0][2].problem is HeaderProblem.PAYLOAD_CHECKSUM
+        assert got[1][2].problem is not None
+    finally:
+        store.close()

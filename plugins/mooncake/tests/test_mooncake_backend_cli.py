@@ -100,7 +100,8 @@ def test_bench_quick_prints_every_ratio_and_goal_and_its_checks_hold():
         assert [r["variant"] for r in with_costs] == [auto]
         assert set(with_costs[0]["costs_ms"]) >= {"core header", "core verify", "store over bare set", "exist",
                                                   "header slot set", "one object vs K/V set", "backend set"}
-        assert with_costs[0]["costs_ms"]["core header"] > 0
+        costs = with_costs[0]["costs_ms"]
+        assert costs["core header"] > 0 and costs["core verify alone"] > 0
         stored = [r for r in case if r["variant"] in ("baseline", "baseline, 2nd client", auto)]
         assert all(r["exist_us_per_key"] > 0 for r in stored)
         mine = [g for g in goals if (g["mode"], g["page_bytes"]) == (mode, page)]
@@ -117,6 +118,11 @@ def test_bench_quick_prints_every_ratio_and_goal_and_its_checks_hold():
             # 8 pages fit one 16 MiB call: that row repeats the direct ceiling's calls (its twin)
             twin = next(r for r in case if r["variant"] == "native: same, 16 MiB calls")[f"{g['op']}_ratio"]
             assert g["ceiling_twin"] == (None if auto == "plugin staged" else twin)
+            # the ceiling with the core's header / verification of the same pages made alone added
+            alone = costs["core header" if g["op"] == "set" else "core verify alone"]
+            with_core = 1 / (1 / g["ceiling"] + alone / costs[f"baseline {g['op']}"])
+            assert g["ceiling_with_core"] == pytest.approx(with_core, rel=0.05)
+            assert g["ceiling_with_core"] < g["ceiling"]
     assert [(g["mode"], g["page_bytes"]) for g in goals] == [c for c in cases for _ in range(2)]
 
 

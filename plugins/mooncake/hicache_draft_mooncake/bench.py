@@ -159,7 +159,7 @@ class Goal:
     """The ceiling's twin: the ``16 MiB calls`` row where its calls are the ceiling's own (the batch
     fits one call), a second measure of the ceiling in the same run (how far apart the two are is
     the run's noise on that ceiling); else None."""
-    serial: float | None = None
+    with_core: float | None = None
     """The ceiling with the core's own work added, not overlapped: the ceiling's time plus the core's
     header (set) or verification (get) of the same pages made alone in the same run. What any plugin
     that makes that mandatory work beside the native calls, without hiding it behind them, can reach;
@@ -176,7 +176,7 @@ class Goal:
                 "raw_variant": self.raw_variant, "raw": round(self.raw, 3), "control": round(self.control, 3),
                 "bare": round(self.bare, 3), "core_ms": round(self.core_ms, 2), "plugin_ms": round(self.plugin_ms, 2),
                 "ceiling_twin": None if self.twin is None else round(self.twin, 3),
-                "ceiling_with_core": None if self.serial is None else round(self.serial, 3)}
+                "ceiling_with_core": None if self.with_core is None else round(self.with_core, 3)}
 
 
 @dataclass
@@ -663,13 +663,13 @@ def goals(rows: list[Row], staged_max_page_bytes: int) -> list[Goal]:
             gbps = getattr(p, f"{op}_gbps")
             top = getattr(by[ceiling], f"{op}_ratio")
             alone, base_ms = core.get("core header" if op == "set" else "core verify alone"), core.get(f"baseline {op}")
-            serial = 1 / (1 / top + alone / base_ms) if alone is not None and base_ms and top > 0 else None
+            with_core = 1 / (1 / top + alone / base_ms) if alone is not None and base_ms and top > 0 else None
             out.append(Goal(mode, page, op, name, getattr(p, f"{op}_ratio"), getattr(p, f"{op}_ratios"), GOALS[mode],
-                            ceiling, getattr(by[ceiling], f"{op}_ratio"), raw, getattr(by[raw], f"{op}_ratio"),
+                            ceiling, top, raw, getattr(by[raw], f"{op}_ratio"),
                             getattr(by["baseline, 2nd client"], f"{op}_ratio"), getattr(bare, f"{op}_ratio"),
                             core.get("core header" if op == "set" else "core verify", 0.0),
                             1e3 * p.pages * p.page_nbytes / gbps / 1e9 if gbps else 0.0,
-                            getattr(twin, f"{op}_ratio") if twin is not None else None, serial))
+                            getattr(twin, f"{op}_ratio") if twin is not None else None, with_core))
     return out
 
 
@@ -720,9 +720,9 @@ def format_goal(g: Goal) -> str:
     spread = f"{min(g.ratios):.2f}-{max(g.ratios):.2f}" if g.ratios else "-"
     twin = f" (its twin, the same calls: {g.twin:.2f}x)" if g.twin is not None else ""
     work = "header" if g.op == "set" else "verification"
-    serial = f", the ceiling plus the core's {work} made alone {g.serial:.2f}x" if g.serial is not None else ""
+    with_core = f", the ceiling plus the core's {work} made alone {g.with_core:.2f}x" if g.with_core is not None else ""
     return (f"goal {g.mode} {_page(g.page_nbytes)} {g.op}: {g.variant} {g.ratio:.2f}x (rounds {spread}) "
             f">= {g.goal:.1f}x: {'met' if g.met else 'NOT MET'}; same run: ceiling ({g.ceiling_variant}) "
-            f"{g.ceiling:.2f}x{twin}{serial}, Mooncake raw ({g.raw_variant}) {g.raw:.2f}x, the backend's hooks "
+            f"{g.ceiling:.2f}x{twin}{with_core}, Mooncake raw ({g.raw_variant}) {g.raw:.2f}x, the backend's hooks "
             f"without the core's {work} {g.bare:.2f}x (the core's {work}: {g.core_ms:.1f} of {g.plugin_ms:.1f} ms), "
             f"control (baseline, 2nd client) {g.control:.2f}x")

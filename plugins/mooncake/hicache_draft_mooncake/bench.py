@@ -662,12 +662,13 @@ def goals(rows: list[Row], staged_max_page_bytes: int) -> list[Goal]:
         for op in ("set", "get"):
             gbps = getattr(p, f"{op}_gbps")
             top = getattr(by[ceiling], f"{op}_ratio")
+            # the core's own work on these pages, each timed alone in this run
             alone, base_ms = core.get("core header" if op == "set" else "core verify alone"), core.get(f"baseline {op}")
             with_core = 1 / (1 / top + alone / base_ms) if alone is not None and base_ms and top > 0 else None
             out.append(Goal(mode, page, op, name, getattr(p, f"{op}_ratio"), getattr(p, f"{op}_ratios"), GOALS[mode],
                             ceiling, top, raw, getattr(by[raw], f"{op}_ratio"),
                             getattr(by["baseline, 2nd client"], f"{op}_ratio"), getattr(bare, f"{op}_ratio"),
-                            core.get("core header" if op == "set" else "core verify", 0.0),
+                            alone if alone is not None else 0.0,
                             1e3 * p.pages * p.page_nbytes / gbps / 1e9 if gbps else 0.0,
                             getattr(twin, f"{op}_ratio") if twin is not None else None, with_core))
     return out
